@@ -1,0 +1,29 @@
+# Quickstart: `make demo` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo install bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --durations=15
+
+demo: $(STAMP)
+	$(PY) -m replayssm_jax demo
+
+bench: $(STAMP)
+	$(PY) -m bench.gdn_decode
+
+clean:
+	rm -rf $(VENV)
