@@ -1,0 +1,84 @@
+"""Shared test helpers: input factories, independent float64 oracles, tolerances.
+
+The oracles here are plain numpy float64 loops written from DESIGN §2, independent of the
+library's jnp code, so a bug shared by the XLA path and a kernel cannot hide.
+"""
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+# Geometries of the issue: (Hk, Hv, K, V).
+GEOMETRIES = {
+    "small": (2, 4, 16, 8),
+    "qwen35_4b": (16, 32, 128, 128),
+    "qwen35_122b": (16, 64, 128, 128),
+}
+
+# (state dtype, activation/ring dtype) pairs of notes/peers.md §7.
+PRECISION_PAIRS = [
+    ("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"),
+    ("float32", "float16"), ("float16", "float16"), ("float16", "bfloat16"),
+]
+
+
+def tolerance(state_dtype: str, act_dtype: str) -> float:
+  """Max-abs tolerance on outputs/states of unit scale vs the float64 oracle.
+
+  float32 everywhere: 2e-5 — a TF32 dot (10-bit mantissa, ~5e-4 relative) fails it.
+  Otherwise dominated by the storage rounding of the low-precision dtype.
+  """
+  worst = {"float32": 0, "float16": 1, "bfloat16": 2}
+  w = max(worst[state_dtype], worst[act_dtype])
+  return (2e-5, 6e-3, 4e-2)[w]
+
+
+@dataclasses.dataclass
+class GdnStep:
+  q: np.ndarray      # [B, Hk, K]
+  k: np.ndarray      # [B, Hk, K] (L2-normalised)
+  v: np.ndarray      # [B, Hv, V]
+  g: np.ndarray      # [B, Hv] log decay <= 0
+  beta: np.ndarray   # [B, Hv] in (0, 1)
+
+  def as_jax(self, dtype="float32"):
+    cast = lambda x: jnp.asarray(x, dtype)
+    return cast(self.q), cast(self.k), cast(self.v), jnp.asarray(self.g, dtype), jnp.asarray(self.beta, dtype)
+
+  def rounded(self, dtype="float32"):
+    """The step as the kernel sees it after casting to ``dtype`` (float64 copy)."""
+    return GdnStep(*(np.asarray(x, np.float64) for x in
+                     (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in
+                      (self.q, self.k, self.v, self.g, self.beta))))
+
+
+def make_gdn_step(rng: np.random.Generator, batch: int, hk: int, hv: int, kd: int, vd: int,
+                  *, decay=(0.02, 1.0)) -> GdnStep:
+  """Realistic decode inputs: L2-normalised keys, sigmoid-range beta, log decays in -decay."""
+  k = rng.normal(size=(batch, hk, kd))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  q = rng.normal(size=(batch, hk, kd))
+  v = rng.normal(size=(batch, hv, vd))
+  g = -rng.uniform(*decay, size=(batch, hv))
+  beta = 1.0 / (1.0 + np.exp(-rng.normal(size=(batch, hv))))
+  return GdnStep(q, k, v, g, beta)
+
+
+def gdn_step_f64(S: np.ndarray, step: GdnStep, scale: float | None = None):
+  """One exact GDN step in float64 per row. S: [B, Hv, V, K]. Returns (o [B, Hv, V], S_new)."""
+  S = np.asarray(S, np.float64)
+  b, hv, vd, kd = S.shape
+  r = hv // step.q.shape[1]
+  scale = kd ** -0.5 if scale is None else scale
+  q = np.repeat(np.asarray(step.q, np.float64), r, axis=1) * scale
+  k = np.repeat(np.asarray(step.k, np.float64), r, axis=1)
+  alpha = np.exp(np.asarray(step.g, np.float64))[..., None, None]
+  S_t = alpha * S
+  u = np.asarray(step.beta, np.float64)[..., None] * (np.asarray(step.v, np.float64)
+                                                      - np.einsum("bhvk,bhk->bhv", S_t, k))
+  S_new = S_t + u[..., :, None] * k[..., None, :]
+  return np.einsum("bhvk,bhk->bhv", S_new, q), S_new
+
+
+def max_err(a, b) -> float:
+  return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
