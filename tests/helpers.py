@@ -82,3 +82,15 @@ def gdn_step_f64(S: np.ndarray, step: GdnStep, scale: float | None = None):
 
 def max_err(a, b) -> float:
   return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def round_to_tf32(x) -> np.ndarray:
+  """x rounded to TF32 (float32 with a 10-bit mantissa, round to nearest even), as float64.
+
+  What a TF32 tensor-core dot does to its float32 inputs; used to show that a tolerance would
+  catch a dot that silently ran at TF32.
+  """
+  bits = np.asarray(x, np.float32).view(np.uint32)
+  lsb = (bits >> np.uint32(13)) & np.uint32(1)
+  bits = (bits + np.uint32(0xFFF) + lsb) & np.uint32(0xFFFFE000)
+  return bits.view(np.float32).astype(np.float64)

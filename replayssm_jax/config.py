@@ -1,0 +1,118 @@
+"""Launch configs of the Pallas kernels, chosen by hardware and shape. Never autotuned at run time.
+
+Each rule carries a one-line reason. Numbers come from the H200 calibration in
+notes/pallas-gpu.md ("Calibration"); rules marked *untuned* are a best guess awaiting a sweep
+(the ``gdn_triton`` functions take ``block_v``/``num_warps``/``num_stages`` overrides for that).
+"""
+import dataclasses
+
+import jax.numpy as jnp
+
+ROUTES = ("output_only", "reconstruct")
+
+
+def _pow2(n: int) -> bool:
+  return isinstance(n, int) and n >= 1 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+  """One Pallas-Triton launch: V tile rows per program, K chunk (None = all of K; the replay step
+  walks K in chunks of block_k to bound live registers), warps, software-pipeline stages."""
+  block_v: int
+  num_warps: int
+  num_stages: int = 1
+  block_k: int | None = None
+
+  def __post_init__(self):
+    if not _pow2(self.block_v):
+      raise ValueError(f"block_v={self.block_v!r}; expected a power of two (Triton tile)")
+    if self.block_k is not None and not _pow2(self.block_k):
+      raise ValueError(f"block_k={self.block_k!r}; expected None or a power of two (Triton tile)")
+    if not _pow2(self.num_warps) or self.num_warps > 32:
+      raise ValueError(f"num_warps={self.num_warps!r}; expected a power of two <= 32")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages!r}; expected an int >= 1")
+
+  def fit(self, head_v_dim: int, head_k_dim: int | None = None) -> "KernelConfig":
+    """The same config with tiles clipped to the head (a tile never exceeds V or K)."""
+    block_k = self.block_k
+    if head_k_dim is not None:
+      block_k = head_k_dim if block_k is None else min(block_k, head_k_dim)
+    return dataclasses.replace(self, block_v=min(self.block_v, head_v_dim), block_k=block_k)
+
+  def override(self, *, block_v=None, num_warps=None, num_stages=None,
+               block_k=None) -> "KernelConfig":
+    changes = {k: v for k, v in (("block_v", block_v), ("num_warps", num_warps),
+                                 ("num_stages", num_stages), ("block_k", block_k)) if v is not None}
+    return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+  """The replay step kernel, its compute route for route="auto", and the flush-fold pass."""
+  step: KernelConfig
+  route: str
+  fold: KernelConfig
+
+  def __post_init__(self):
+    if self.route not in ROUTES:
+      raise ValueError(f"route={self.route!r}; expected one of {ROUTES}")
+
+
+def _is_cpu(device_kind: str) -> bool:
+  return device_kind.lower() == "cpu"
+
+
+def _is_f32(state_dtype) -> bool:
+  return jnp.dtype(state_dtype) == jnp.dtype(jnp.float32)
+
+
+def decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
+                  batch: int) -> KernelConfig:
+  """Conventional decode, grid (B, Hv, V/BV), state tile [BV, K]."""
+  del head_k_dim, batch
+  if _is_cpu(device_kind):
+    # Interpret mode: speed is irrelevant; small tiles make CPU tests cover the multi-tile indexing.
+    cfg = KernelConfig(block_v=16, num_warps=4)
+  elif _is_f32(state_dtype):
+    # H200 calibration: BV=128 with 8 warps reached 86 % of the copy ceiling (BV=32/4 warps untried).
+    cfg = KernelConfig(block_v=128, num_warps=8)
+  else:
+    # H200 calibration, bf16 state: BV=32 with 4 warps, 80 % of the copy ceiling.
+    cfg = KernelConfig(block_v=32, num_warps=4)
+  return cfg.fit(head_v_dim)
+
+
+def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
+                  num_k_heads: int, batch: int, buffer_len: int) -> ReplayConfig:
+  """Replay step, grid (B, Hk, V/BV), plus the fold pass, grid (B, Hv, V/BV)."""
+  # Output-only never builds S: calibration 0.268 ms vs 0.471 ms for a reconstructing step.
+  route = "output_only"
+  if _is_cpu(device_kind):
+    # Interpret mode: speed is irrelevant; two V tiles and two K chunks make CPU tests cover the
+    # multi-tile indexing.
+    step = KernelConfig(block_v=16, num_warps=4, block_k=max(head_k_dim // 2, 1))
+  elif _is_f32(state_dtype):
+    # H200 calibration, f32 state: BV=32 with 2 warps; BV=64 with 4 warps spilled (8x slower).
+    step = KernelConfig(block_v=32, num_warps=2)
+  else:
+    # H200 calibration, bf16/f16 state: BV=64 beat BV=32 (0.155 ms non-flush); warps untuned.
+    step = KernelConfig(block_v=64, num_warps=2)
+  # Untuned: K chunks of 64 (the published kernel's nk=2) are the next thing to sweep; whole K now.
+  step = step.fit(head_v_dim, head_k_dim)
+  if not _is_cpu(device_kind) and batch * num_k_heads * (head_v_dim // step.block_v) < 2 * 132:
+    # Untuned: fewer than two programs per H200 SM leaves SMs idle; halve the tile for parallelism.
+    step = step.override(block_v=max(16, step.block_v // 2))
+  # No rule depends on L yet: both routes and the fold are linear in the window (calibrated at L=16).
+  del buffer_len
+  # Fold: runs on 1/L of the rows and exits at once elsewhere; an f32 [32, K] accumulator in
+  # 4 warps keeps 32 registers per thread for the tile (untuned).
+  fold = KernelConfig(block_v=16 if _is_cpu(device_kind) else 32, num_warps=4)
+  return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim))
+
+
+def materialize_config(*, device_kind: str, head_v_dim: int) -> KernelConfig:
+  """Materialize runs the fold kernel body on every row (f32 output)."""
+  # Same tile as the fold pass: it is the same kernel body (untuned; not on the decode hot path).
+  return KernelConfig(block_v=16 if _is_cpu(device_kind) else 32, num_warps=4).fit(head_v_dim)

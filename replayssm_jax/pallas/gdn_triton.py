@@ -1,0 +1,336 @@
+"""Gated DeltaNet decode kernels in Pallas with the Triton lowering (interpreted on CPU).
+
+Three kernels, each ``kernel → builder → public wrapper`` (the wrappers are what gdn/ops.py calls):
+
+* ``decode``: the conventional step. Grid (B, Hv, V/BV); a program reads the [BV, K] state tile
+  of its row's slot, steps it once and writes it back in place.
+* ``replay_decode``: two passes over the batch.
+  (a) the step kernel, identical on every live row (no flush branch): grid (B, Hk, V/BV); one
+      program serves the r = Hv/Hk value heads of a key head, so q, k and the key ring are loaded
+      once. It reads the checkpoint tile, replays the window ``[base, base + count)`` of the ring,
+      writes o and appends (k, u, g) at ring index ``base + count``.
+  (b) the fold kernel: grid (B, Hv, V/BV); rows with ``plan.fold_length() > 0`` (flushing rows:
+      window plus the token (a) just appended) rebuild ``S = e^G S_c + Σ_j w_j u_j k_jᵀ`` with f32
+      rank-one FMAs and write it to the checkpoint; every other program exits at once.
+* ``materialize``: the fold kernel body again, writing every row's state to a fresh f32 output.
+
+Everything is float32 inside and matrix-vector products are multiply-and-reduce, never ``dot``
+(Triton f32 dots are TF32), so CPU interpret mode and the GPU agree to f32 rounding. Ring entries
+outside a window may be stale or NaN: they are masked away at load time, never multiplied by 0.
+Padding rows (slot < 0) produce zero output and touch neither checkpoint nor ring.
+Shapes: q, k [B, Hk, K]; v [B, Hv, V]; g, beta [B, Hv]; state [N, Hv, V, K];
+ring_k [N, Hk, R, K]; ring_u [N, Hv, R, V]; ring_g [N, Hv, R].
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from replayssm_jax import config as config_lib
+from replayssm_jax.cursor import ReplayPlan
+from replayssm_jax.gdn.buffers import ReplayBuffers
+from replayssm_jax.pallas import common
+from replayssm_jax.replay import window_decays, window_offsets
+
+f32 = jnp.float32
+ROUTES = ("auto", "output_only", "reconstruct")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels.
+# ----------------------------------------------------------------------------------------------
+
+def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref,
+                   o_ref, pool_out_ref, *, scale, group, block_v):
+  b, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = slots_ref[b]
+  tile = pl.ds(vt * block_v, block_v)
+
+  @pl.when(s < 0)
+  def _():
+    o_ref[b, h, tile] = jnp.zeros((block_v,), o_ref.dtype)
+
+  @pl.when(s >= 0)
+  def _():
+    hk = h // group
+    S = pool_ref[s, h, tile, :].astype(f32)                       # [BV, K]
+    k = k_ref[b, hk, :].astype(f32)
+    q = q_ref[b, hk, :].astype(f32) * scale
+    v = v_ref[b, h, tile].astype(f32)
+    alpha = jnp.exp(g_ref[b, h].astype(f32))
+    beta = beta_ref[b, h].astype(f32)
+    u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
+    S = alpha * S + u[:, None] * k[None, :]
+    o_ref[b, h, tile] = jnp.sum(S * q[None, :], axis=1).astype(o_ref.dtype)
+    pool_out_ref[s, h, tile, :] = S.astype(pool_out_ref.dtype)
+
+
+def _load_window(ref, inside_rows):
+  """Masked load of a ring tile [R, X]: rows outside the window are never read (zeros)."""
+  mask = jnp.broadcast_to(inside_rows[:, None], ref.shape)
+  return plt.load(ref, mask=mask, other=jnp.zeros((), ref.dtype)).astype(f32)
+
+
+def _accumulate_window(S, weights, base, length, ring_k_row, ring_u_row, ring_size):
+  """S + Σ_j w_j u_j k_jᵀ over ``length`` ring entries from ``base``: f32 rank-one FMAs, no dot.
+
+  ``ring_k_row(i)`` / ``ring_u_row(i)`` load entry i's key [K] and value tile [BV].
+  """
+  pos = lax.broadcasted_iota(jnp.int32, (ring_size,), 0)
+
+  def body(j, S):
+    i = (base + j) % ring_size
+    w = jnp.sum(jnp.where(pos == i, weights, 0.0))
+    u = ring_u_row(i).astype(f32)
+    k = ring_k_row(i).astype(f32)
+    return S + (w * u)[:, None] * k[None, :]
+
+  return lax.fori_loop(0, length, body, S)
+
+
+def _sum_chunks(parts):
+  return functools.reduce(lambda a, b: a + b, parts)
+
+
+def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                        state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
+                        o_ref, ring_k_out, ring_u_out, ring_g_out,
+                        *, scale, group, block_v, block_k, ring_size, route):
+  b, hk, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = slots_ref[b]
+  tile = pl.ds(vt * block_v, block_v)
+  # K is walked in chunks of block_k (static loop) so only a [BV, block_k] tile is live at once.
+  chunks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[-1] // block_k)]
+
+  @pl.when(s < 0)
+  def _():
+    for i in range(group):
+      o_ref[b, hk * group + i, tile] = jnp.zeros((block_v,), o_ref.dtype)
+
+  @pl.when(s >= 0)
+  def _():
+    base, count = base_ref[b], count_ref[b]
+    put = (base + count) % ring_size                              # token 0's ring index
+    ks = [k_ref[b, hk, c].astype(f32) for c in chunks]
+    qs = [q_ref[b, hk, c].astype(f32) * scale for c in chunks]
+    kq = _sum_chunks(jnp.sum(kc * qc) for kc, qc in zip(ks, qs))
+    _, inside = window_offsets((ring_size,), base, count, ring_size)
+    if route == "output_only":
+      # Key ring read once per key head: (k_j·k) and (k_j·q) serve all r value heads.
+      rk = [_load_window(ring_k_ref.at[s, hk, :, c], inside) for c in chunks]   # [R, block_k]
+      rkk = _sum_chunks(jnp.sum(r * kc[None, :], axis=1) for r, kc in zip(rk, ks))
+      rkq = _sum_chunks(jnp.sum(r * qc[None, :], axis=1) for r, qc in zip(rk, qs))
+    gs = []
+    for i in range(group):
+      h = hk * group + i
+      rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
+      w, total = window_decays(rg, base, count, ring_size)
+      decay = jnp.exp(total)
+      if route == "output_only":
+        # S x = e^G (S_c x) + Σ_j w_j (k_j·x) u_j, never building S.
+        Sck, Scq = 0.0, 0.0
+        for c, kc, qc in zip(chunks, ks, qs):
+          Sc = state_ref[s, h, tile, c].astype(f32)               # [BV, block_k]
+          Sck = Sck + jnp.sum(Sc * kc[None, :], axis=1)
+          Scq = Scq + jnp.sum(Sc * qc[None, :], axis=1)
+        ru = _load_window(ring_u_ref.at[s, h, :, tile], inside)   # [R, BV]
+        Sk = decay * Sck + jnp.sum((w * rkk)[:, None] * ru, axis=0)
+        Sq = decay * Scq + jnp.sum((w * rkq)[:, None] * ru, axis=0)
+      else:
+        # Reconstruct S_{t-1} (the wrapper keeps block_k = K on this route).
+        (k,), (q,) = ks, qs
+        S = _accumulate_window(decay * state_ref[s, h, tile, :].astype(f32), w, base, count,
+                               lambda j: ring_k_ref[s, hk, j, :],
+                               lambda j, h=h: ring_u_ref[s, h, j, tile], ring_size)
+        Sk = jnp.sum(S * k[None, :], axis=1)
+        Sq = jnp.sum(S * q[None, :], axis=1)
+      g = g_ref[b, h].astype(f32)
+      alpha = jnp.exp(g)
+      u = beta_ref[b, h].astype(f32) * (v_ref[b, h, tile].astype(f32) - alpha * Sk)
+      o_ref[b, h, tile] = (alpha * Sq + u * kq).astype(o_ref.dtype)
+      ring_u_out[s, h, put, tile] = u.astype(ring_u_out.dtype)
+      gs.append(g)
+
+    @pl.when(vt == 0)  # k and g are per head, not per V tile: one program appends them
+    def _():
+      for c, kc in zip(chunks, ks):
+        ring_k_out[s, hk, put, c] = kc.astype(ring_k_out.dtype)
+      for i, g in enumerate(gs):
+        ring_g_out[s, hk * group + i, put] = g
+
+
+def _fold_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
+                 out_ref, *, group, block_v, ring_size, into_checkpoint):
+  """out = e^G S_c + Σ_j w_j u_j k_jᵀ over ``length`` entries from ``base``.
+
+  into_checkpoint: out is the (aliased) checkpoint, indexed by slot; rows with length 0 or
+  padding exit at once. Otherwise out is a fresh [B, Hv, V, K] f32 array: every live row is
+  written (length 0 copies S_c), padding rows get zeros.
+  """
+  b, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s, length = slots_ref[b], length_ref[b]
+  tile = pl.ds(vt * block_v, block_v)
+  active = (s >= 0) & (length > 0) if into_checkpoint else s >= 0
+
+  @pl.when(active)
+  def _():
+    hk = h // group
+    base = base_ref[b]
+    _, inside = window_offsets((ring_size,), base, length, ring_size)
+    rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
+    w, total = window_decays(rg, base, length, ring_size)
+    S = jnp.exp(total) * state_ref[s, h, tile, :].astype(f32)
+    S = _accumulate_window(S, w, base, length,
+                           lambda j: ring_k_ref[s, hk, j, :],
+                           lambda j: ring_u_ref[s, h, j, tile], ring_size)
+    out_ref[s if into_checkpoint else b, h, tile, :] = S.astype(out_ref.dtype)
+
+  if not into_checkpoint:
+    @pl.when(jnp.logical_not(active))
+    def _():
+      out_ref[b, h, tile, :] = jnp.zeros((block_v, out_ref.shape[-1]), out_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders.
+# ----------------------------------------------------------------------------------------------
+
+def _pallas(kernel, args, *, grid, out_shape, aliases, cfg, name, interpret):
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      kernel, grid=grid, in_specs=[any_spec] * len(args), out_specs=[any_spec] * len(out_shape),
+      out_shape=out_shape, input_output_aliases=aliases, name=name, interpret=interpret,
+      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+  )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
+def _decode(q, k, v, g, beta, pool, slots, *, scale, cfg, interpret):
+  batch, hv, vd = v.shape
+  kernel = functools.partial(_decode_kernel, scale=scale, group=hv // q.shape[1],
+                             block_v=cfg.block_v)
+  o, pool = _pallas(kernel, (slots, q, k, v, g, beta, pool),
+                    grid=(batch, hv, vd // cfg.block_v),
+                    out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
+                               jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
+                    aliases={6: 1}, cfg=cfg, name="replayssm_gdn_decode", interpret=interpret)
+  return o, pool
+
+
+def _fold(bufs, slots, base, length, *, cfg, interpret, into_checkpoint):
+  """The fold kernel over the batch: into the checkpoint (aliased) or into a fresh f32 array."""
+  _, hv, vd, kd = bufs.state.shape
+  batch = slots.shape[0]
+  kernel = functools.partial(_fold_kernel, group=hv // bufs.num_k_heads, block_v=cfg.block_v,
+                             ring_size=bufs.ring_size, into_checkpoint=into_checkpoint)
+  if into_checkpoint:
+    out = jax.ShapeDtypeStruct(bufs.state.shape, bufs.state.dtype)
+    aliases, name = {3: 0}, "replayssm_gdn_fold"
+  else:
+    out = jax.ShapeDtypeStruct((batch, hv, vd, kd), f32)
+    aliases, name = {}, "replayssm_gdn_materialize"
+  (out,) = _pallas(kernel, (slots, base, length, bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
+                   grid=(batch, hv, vd // cfg.block_v), out_shape=[out], aliases=aliases, cfg=cfg,
+                   name=name, interpret=interpret)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "route", "cfg", "interpret"))
+def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, route, cfg, interpret):
+  batch, hk = q.shape[:2]
+  hv, vd = bufs.num_v_heads, bufs.head_v_dim
+  step = cfg.step
+  block_k = bufs.head_k_dim if route == "reconstruct" else step.block_k
+  kernel = functools.partial(_replay_step_kernel, scale=scale, group=hv // hk, block_v=step.block_v,
+                             block_k=block_k, ring_size=bufs.ring_size, route=route)
+  o, ring_k, ring_u, ring_g = _pallas(
+      kernel, (plan.slots, plan.base, plan.count, q, k, v, g, beta,
+               bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
+      grid=(batch, hk, vd // step.block_v),
+      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
+      + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.ring_k, bufs.ring_u, bufs.ring_g)],
+      aliases={9: 1, 10: 2, 11: 3}, cfg=step, name="replayssm_gdn_replay_step", interpret=interpret)
+  bufs = bufs.replace(ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+  state = _fold(bufs, plan.slots, plan.base, plan.fold_length(), cfg=cfg.fold, interpret=interpret,
+                into_checkpoint=True)
+  return o, bufs.replace(state=state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _materialize(bufs, slots, base, length, *, cfg, interpret):
+  return _fold(bufs, slots, base, length, cfg=cfg, interpret=interpret, into_checkpoint=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrappers (called from gdn/ops.py; inputs already validated there).
+# ----------------------------------------------------------------------------------------------
+
+def _knobs(op, cfg, head_v_dim, head_k_dim, *, block_v=None, num_warps=None, num_stages=None,
+           block_k=None):
+  """Applies the keyword overrides; a non-power-of-two tile is NotImplementedError (Triton)."""
+  tiles = {name: n for name, n in (("block_v", block_v), ("block_k", block_k)) if n is not None}
+  common.require_pow2(op, **tiles)
+  cfg = cfg.override(block_v=block_v, num_warps=num_warps, num_stages=num_stages, block_k=block_k)
+  return cfg.fit(head_v_dim, head_k_dim)
+
+
+def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None, num_warps=None, num_stages=None):
+  """Conventional GDN decode step over a slot pool. Returns (o [B, Hv, V] in v.dtype, pool)."""
+  _, hv, vd, kd = pool.shape
+  common.require_pow2("gdn.decode[pallas_triton]", K=kd, V=vd)
+  cfg = config_lib.decode_config(device_kind=common.device_kind(), state_dtype=pool.dtype,
+                                 head_k_dim=kd, head_v_dim=vd, batch=q.shape[0])
+  cfg = _knobs("gdn.decode[pallas_triton]", cfg, vd, kd, block_v=block_v, num_warps=num_warps,
+               num_stages=num_stages)
+  return _decode(q, k, v, g, beta, pool, slots, scale=float(scale), cfg=cfg,
+                 interpret=common.interpret_mode())
+
+
+def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, block_v=None, block_k=None,
+                num_warps=None, num_stages=None, fold_block_v=None, fold_num_warps=None):
+  common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
+  cfg = config_lib.replay_config(
+      device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_k_dim=bufs.head_k_dim,
+      head_v_dim=bufs.head_v_dim, num_k_heads=bufs.num_k_heads, batch=batch, buffer_len=buffer_len)
+  kd, vd = bufs.head_k_dim, bufs.head_v_dim
+  step = _knobs(op, cfg.step, vd, kd, block_v=block_v, block_k=block_k, num_warps=num_warps,
+                num_stages=num_stages)
+  fold = _knobs(op, cfg.fold, vd, kd, block_v=fold_block_v, num_warps=fold_num_warps)
+  return config_lib.ReplayConfig(step=step, route=cfg.route, fold=fold)
+
+
+def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, scale, route="auto",
+                  block_v=None, block_k=None, num_warps=None, num_stages=None, fold_block_v=None,
+                  fold_num_warps=None):
+  """ReplaySSM GDN decode (one token per row): step pass, then the flush-fold pass.
+
+  ``block_v``/``block_k``/``num_warps``/``num_stages`` override the step kernel's config
+  (``block_k``, the K chunk, applies to the output-only route), ``fold_block_v`` /
+  ``fold_num_warps`` the fold pass's. Returns (o [B, Hv, V] in v.dtype, bufs).
+  """
+  op = "gdn.replay_decode[pallas_triton]"
+  if plan.num_tokens != 1:
+    raise NotImplementedError(f"{op}: plans with num_tokens={plan.num_tokens} (verify) are not "
+                              f"supported by this kernel")
+  if route not in ROUTES:
+    raise ValueError(f"route={route!r}; expected one of {ROUTES}")
+  cfg = _replay_cfg(op, bufs, q.shape[0], plan.buffer_len, block_v=block_v, block_k=block_k,
+                    num_warps=num_warps,
+                    num_stages=num_stages, fold_block_v=fold_block_v, fold_num_warps=fold_num_warps)
+  return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale),
+                        route=cfg.route if route == "auto" else route, cfg=cfg,
+                        interpret=common.interpret_mode())
+
+
+def materialize(bufs: ReplayBuffers, slots, base, length, *, block_v=None, num_warps=None,
+                num_stages=None):
+  """Exact state of each row (checkpoint ⊕ ``length`` entries from ``base``): f32 [B, Hv, V, K]."""
+  op = "gdn.materialize[pallas_triton]"
+  common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
+  cfg = config_lib.materialize_config(device_kind=common.device_kind(), head_v_dim=bufs.head_v_dim)
+  cfg = _knobs(op, cfg, bufs.head_v_dim, bufs.head_k_dim, block_v=block_v, num_warps=num_warps,
+               num_stages=num_stages)
+  return _materialize(bufs, slots, base, length, cfg=cfg, interpret=common.interpret_mode())
