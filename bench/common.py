@@ -256,9 +256,9 @@ def measure_copy_ceiling(total_bytes: int, *, num_buffers: int = 4, passes_per_c
 # ----------------------------------------------------------------------------------------------
 # Launch configs
 
-_CFG_KEYS = {"fbv": "fold_block_v", "fw": "fold_num_warps", "bv": "block_v", "w": "num_warps",
-             "s": "num_stages"}
-_CFG_TOKEN = re.compile(r"(fbv|fw|bv|w|s)(\d+)")
+_CFG_KEYS = {"fbv": "fold_block_v", "fw": "fold_num_warps", "bv": "block_v", "bk": "block_k",
+             "w": "num_warps", "s": "num_stages"}
+_CFG_TOKEN = re.compile(r"(fbv|fw|bv|bk|w|s)(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +276,8 @@ class LaunchConfig:
 
 
 def parse_config(text: str) -> LaunchConfig:
-  """``default`` or tokens like ``bv32w2s3`` (block_v, num_warps, num_stages) and ``fbv64fw4``
+  """``default`` or tokens like ``bv32w2s3`` (block_v, num_warps, num_stages), ``bk64`` (block_k of
+  the replay step) and ``fbv64fw4``
   (fold_block_v, fold_num_warps of the replay fold pass), e.g. ``bv64w4fbv32fw2``."""
   text = text.strip()
   if text in ("", "default"):
@@ -288,8 +289,8 @@ def parse_config(text: str) -> LaunchConfig:
     found[_CFG_KEYS[m.group(1)]] = int(m.group(2))
     pos = m.end()
   if pos != len(text) or not found:
-    raise ValueError(f"launch config {text!r}; expected 'default' or tokens bv<int> w<int> s<int> "
-                     f"fbv<int> fw<int>, e.g. 'bv32w2' or 'bv64w4s2'")
+    raise ValueError(f"launch config {text!r}; expected 'default' or tokens bv<int> bk<int> w<int> "
+                     f"s<int> fbv<int> fw<int>, e.g. 'bv32w2' or 'bv64w4s2'")
   return LaunchConfig(text, tuple(sorted(found.items())))
 
 
