@@ -171,7 +171,8 @@ class ReplayCursor:
     if num_accepted is None:
       accepted = jnp.full(plan.slots.shape, t, jnp.int32)
     else:
-      _checks.expect_slots("num_accepted", num_accepted, plan.batch_size)
+      _checks.expect_dtype("num_accepted", num_accepted, (jnp.int32,))
+      _checks.expect_shape("num_accepted", num_accepted, (plan.batch_size,), "(int32[B], in [1, T])")
       accepted = num_accepted
       _checks.check_host(
           lambda a, s: bool(np.all((a[s >= 0] >= 1) & (a[s >= 0] <= t))),

@@ -82,6 +82,7 @@ def _check_plan(plan, bufs, batch):
     raise ValueError(f"plan has ring_size={plan.ring_size} but bufs were created with ring size "
                      f"{bufs.ring_size} (use the cursor the buffers were created with)")
   _checks.expect_shape("plan.slots", plan.slots, (batch,), "(one slot per row of q)")
+  _checks.check_slots("plan.slots", plan.slots, bufs.num_slots)
 
 
 def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", implementation=None):

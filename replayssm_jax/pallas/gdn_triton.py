@@ -45,7 +45,7 @@ ROUTES = ("auto", "output_only", "reconstruct")
 
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref,
                    o_ref, pool_out_ref, *, scale, group, block_v):
-  b, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = slots_ref[b]
   tile = pl.ds(vt * block_v, block_v)
 
@@ -99,7 +99,7 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
                         state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
                         o_ref, ring_k_out, ring_u_out, ring_g_out,
                         *, scale, group, block_v, block_k, ring_size, route):
-  b, hk, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  vt, hk, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = slots_ref[b]
   tile = pl.ds(vt * block_v, block_v)
   # K is walked in chunks of block_k (static loop) so only a [BV, block_k] tile is live at once.
@@ -170,7 +170,7 @@ def _fold_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, ring_u_
   padding exit at once. Otherwise out is a fresh [B, Hv, V, K] f32 array: every live row is
   written (length 0 copies S_c), padding rows get zeros.
   """
-  b, h, vt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s, length = slots_ref[b], length_ref[b]
   tile = pl.ds(vt * block_v, block_v)
   active = (s >= 0) & (length > 0) if into_checkpoint else s >= 0
@@ -213,7 +213,7 @@ def _decode(q, k, v, g, beta, pool, slots, *, scale, cfg, interpret):
   kernel = functools.partial(_decode_kernel, scale=scale, group=hv // q.shape[1],
                              block_v=cfg.block_v)
   o, pool = _pallas(kernel, (slots, q, k, v, g, beta, pool),
-                    grid=(batch, hv, vd // cfg.block_v),
+                    grid=(vd // cfg.block_v, hv, batch),
                     out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
                                jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
                     aliases={6: 1}, cfg=cfg, name="replayssm_gdn_decode", interpret=interpret)
@@ -233,7 +233,7 @@ def _fold(bufs, slots, base, length, *, cfg, interpret, into_checkpoint):
     out = jax.ShapeDtypeStruct((batch, hv, vd, kd), f32)
     aliases, name = {}, "replayssm_gdn_materialize"
   (out,) = _pallas(kernel, (slots, base, length, bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
-                   grid=(batch, hv, vd // cfg.block_v), out_shape=[out], aliases=aliases, cfg=cfg,
+                   grid=(vd // cfg.block_v, hv, batch), out_shape=[out], aliases=aliases, cfg=cfg,
                    name=name, interpret=interpret)
   return out
 
@@ -249,7 +249,7 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, route, cfg, interpret
   o, ring_k, ring_u, ring_g = _pallas(
       kernel, (plan.slots, plan.base, plan.count, q, k, v, g, beta,
                bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
-      grid=(batch, hk, vd // step.block_v),
+      grid=(vd // step.block_v, hk, batch),
       out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
       + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.ring_k, bufs.ring_u, bufs.ring_g)],
       aliases={9: 1, 10: 2, 11: 3}, cfg=step, name="replayssm_gdn_replay_step", interpret=interpret)
