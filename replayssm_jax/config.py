@@ -50,14 +50,22 @@ class KernelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
-  """The replay step kernel, its compute route for route="auto", and the flush-fold pass."""
+  """The replay step kernel, its compute route for route="auto", and the flush-fold pass with
+  ``fold_rows`` row slots (its grid's third axis; flushing rows beyond that loop)."""
   step: KernelConfig
   route: str
   fold: KernelConfig
+  fold_rows: int = 1
 
   def __post_init__(self):
     if self.route not in ROUTES:
       raise ValueError(f"route={self.route!r}; expected one of {ROUTES}")
+    if not isinstance(self.fold_rows, int) or self.fold_rows < 1:
+      raise ValueError(f"fold_rows={self.fold_rows!r}; expected an int >= 1")
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _is_cpu(device_kind: str) -> bool:
@@ -104,12 +112,13 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   if not _is_cpu(device_kind) and batch * num_k_heads * (head_v_dim // step.block_v) < 2 * 132:
     # Untuned: fewer than two programs per H200 SM leaves SMs idle; halve the tile for parallelism.
     step = step.override(block_v=max(16, step.block_v // 2))
-  # No rule depends on L yet: both routes and the fold are linear in the window (calibrated at L=16).
-  del buffer_len
   # Fold: runs on 1/L of the rows and exits at once elsewhere; an f32 [32, K] accumulator in
   # 4 warps keeps 32 registers per thread for the tile (untuned).
   fold = KernelConfig(block_v=16 if _is_cpu(device_kind) else 32, num_warps=4)
-  return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim))
+  # Rows at staggered phases flush about B/L per step; twice that many row slots keeps one row
+  # per fold program in steady state, and rows beyond (synchronised flushes) loop, never drop.
+  fold_rows = min(batch, _next_pow2(-(-2 * batch // buffer_len)))
+  return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim), fold_rows=fold_rows)
 
 
 def materialize_config(*, device_kind: str, head_v_dim: int) -> KernelConfig:
