@@ -256,9 +256,9 @@ def measure_copy_ceiling(total_bytes: int, *, num_buffers: int = 4, passes_per_c
 # ----------------------------------------------------------------------------------------------
 # Launch configs
 
-_CFG_KEYS = {"fbv": "fold_block_v", "fw": "fold_num_warps", "fr": "fold_rows", "bv": "block_v", "bk": "block_k",
+_CFG_KEYS = {"fbv": "fold_block_v", "fbk": "fold_block_k", "fw": "fold_num_warps", "fr": "fold_rows", "bv": "block_v", "bk": "block_k",
              "w": "num_warps", "s": "num_stages"}
-_CFG_TOKEN = re.compile(r"(fbv|fw|fr|bv|bk|w|s)(\d+)")
+_CFG_TOKEN = re.compile(r"(fbv|fbk|fw|fr|bv|bk|w|s)(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,16 +112,23 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   if not _is_cpu(device_kind) and batch * num_k_heads * (head_v_dim // step.block_v) < 2 * 132:
     # Untuned: fewer than two programs per H200 SM leaves SMs idle; halve the tile for parallelism.
     step = step.override(block_v=max(16, step.block_v // 2))
-  # Fold: runs on 1/L of the rows and exits at once elsewhere; an f32 [32, K] accumulator in
-  # 4 warps keeps 32 registers per thread for the tile (untuned).
-  fold = KernelConfig(block_v=16 if _is_cpu(device_kind) else 32, num_warps=4)
+  # Fold: runs on the flushing rows only, one [BV, BK] tile per program. CPU: two V and two K
+  # tiles so the tests cover the tile indexing.
+  fold = _fold_tile(device_kind, head_k_dim)
   # Rows at staggered phases flush about B/L per step; twice that many row slots keeps one row
   # per fold program in steady state, and rows beyond (synchronised flushes) loop, never drop.
   fold_rows = min(batch, _next_pow2(-(-2 * batch // buffer_len)))
   return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim), fold_rows=fold_rows)
 
 
-def materialize_config(*, device_kind: str, head_v_dim: int) -> KernelConfig:
+def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int) -> KernelConfig:
   """Materialize runs the fold kernel body on every row (f32 output)."""
-  # Same tile as the fold pass: it is the same kernel body (untuned; not on the decode hot path).
-  return KernelConfig(block_v=16 if _is_cpu(device_kind) else 32, num_warps=4).fit(head_v_dim)
+  # Same tile as the fold pass: it is the same kernel body (not on the decode hot path).
+  return _fold_tile(device_kind, head_k_dim).fit(head_v_dim, head_k_dim)
+
+
+def _fold_tile(device_kind: str, head_k_dim: int) -> KernelConfig:
+  if _is_cpu(device_kind):
+    return KernelConfig(block_v=16, block_k=max(head_k_dim // 2, 1), num_warps=4)
+  # H200, B=256, L=16: untuned start (a [32, K] tile in 4 warps).
+  return KernelConfig(block_v=32, num_warps=4)

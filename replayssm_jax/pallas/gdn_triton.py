@@ -171,17 +171,19 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
 
 
 def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_ref, ring_k_ref,
-                 ring_u_ref, ring_g_ref, out_ref, *, group, block_v, ring_size, row_slots,
+                 ring_u_ref, ring_g_ref, out_ref, *, group, block_v, block_k, ring_size, row_slots,
                  into_checkpoint):
   """out = e^G S_c + Σ_j w_j u_j k_jᵀ over ``length`` entries from ``base``, for listed rows.
 
-  Grid (V/BV, Hv, row_slots): program z folds batch rows ``rows[z], rows[z + row_slots], …`` below
-  ``num_rows`` (the flushing rows, compacted, so the grid is sized for the rows that work rather
+  Grid (V/BV · K/BK, Hv, row_slots): program (tile, h, z) folds the [BV, BK] tile of batch rows
+  ``rows[z], rows[z + row_slots], …`` below ``num_rows`` (the flushing rows, compacted, so the grid is sized for the rows that work rather
   than the batch). into_checkpoint: out is the (aliased) checkpoint, indexed by slot. Otherwise
   out is a fresh [B, Hv, V, K] f32 array indexed by row; padding rows get zeros.
   """
-  vt, h, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  tile = pl.ds(vt * block_v, block_v)
+  t, h, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  num_k_tiles = state_ref.shape[-1] // block_k
+  tile = pl.ds((t // num_k_tiles) * block_v, block_v)
+  tile_k = pl.ds((t % num_k_tiles) * block_k, block_k)
   hk = h // group
 
   def fold_row(i, carry):
@@ -194,16 +196,16 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_
       _, inside = window_offsets((ring_size,), base, length, ring_size)
       rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
       w, total = window_decays(rg, base, length, ring_size)
-      S = _accumulate_window(jnp.exp(total) * state_ref[s, h, tile, :].astype(f32), w, inside,
-                             lambda p, live: _load_entry(ring_k_ref.at[s, hk, p, :], live),
+      S = _accumulate_window(jnp.exp(total) * state_ref[s, h, tile, tile_k].astype(f32), w, inside,
+                             lambda p, live: _load_entry(ring_k_ref.at[s, hk, p, tile_k], live),
                              lambda p, live: _load_entry(ring_u_ref.at[s, h, p, tile], live),
                              ring_size)
-      out_ref[s if into_checkpoint else b, h, tile, :] = S.astype(out_ref.dtype)
+      out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)
 
     if not into_checkpoint:
       @pl.when(s < 0)
       def _():
-        out_ref[b, h, tile, :] = jnp.zeros((block_v, out_ref.shape[-1]), out_ref.dtype)
+        out_ref[b, h, tile, tile_k] = jnp.zeros((block_v, block_k), out_ref.dtype)
     return carry
 
   # Rows z, z + row_slots, … below num_rows: ceil((num_rows - z) / row_slots) of them (≤ 0: none).
@@ -242,7 +244,7 @@ def _fold(bufs, slots, base, length, rows, num_rows, *, cfg, row_slots, interpre
   _, hv, vd, kd = bufs.state.shape
   batch = slots.shape[0]
   kernel = functools.partial(_fold_kernel, group=hv // bufs.num_k_heads, block_v=cfg.block_v,
-                             ring_size=bufs.ring_size, row_slots=row_slots,
+                             block_k=cfg.block_k, ring_size=bufs.ring_size, row_slots=row_slots,
                              into_checkpoint=into_checkpoint)
   if into_checkpoint:
     out = jax.ShapeDtypeStruct(bufs.state.shape, bufs.state.dtype)
@@ -252,7 +254,8 @@ def _fold(bufs, slots, base, length, rows, num_rows, *, cfg, row_slots, interpre
     aliases, name = {}, "replayssm_gdn_materialize"
   args = (rows, jnp.reshape(num_rows, (1,)).astype(jnp.int32), slots, base, length, bufs.state,
           bufs.ring_k, bufs.ring_u, bufs.ring_g)
-  (out,) = _pallas(kernel, args, grid=(vd // cfg.block_v, hv, row_slots), out_shape=[out],
+  tiles = (vd // cfg.block_v) * (kd // cfg.block_k)
+  (out,) = _pallas(kernel, args, grid=(tiles, hv, row_slots), out_shape=[out],
                    aliases=aliases, cfg=cfg, name=name, interpret=interpret)
   return out
 
@@ -313,8 +316,8 @@ def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None, num_warps=None
 
 
 def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, block_v=None, block_k=None,
-                num_warps=None, num_stages=None, fold_block_v=None, fold_num_warps=None,
-                fold_rows=None):
+                num_warps=None, num_stages=None, fold_block_v=None, fold_block_k=None,
+                fold_num_warps=None, fold_rows=None):
   common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
   cfg = config_lib.replay_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_k_dim=bufs.head_k_dim,
@@ -322,19 +325,21 @@ def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, block_v=None, blo
   kd, vd = bufs.head_k_dim, bufs.head_v_dim
   step = _knobs(op, cfg.step, vd, kd, block_v=block_v, block_k=block_k, num_warps=num_warps,
                 num_stages=num_stages)
-  fold = _knobs(op, cfg.fold, vd, kd, block_v=fold_block_v, num_warps=fold_num_warps)
+  fold = _knobs(op, cfg.fold, vd, kd, block_v=fold_block_v, block_k=fold_block_k,
+                num_warps=fold_num_warps)
   return config_lib.ReplayConfig(step=step, route=cfg.route, fold=fold,
                                  fold_rows=cfg.fold_rows if fold_rows is None else int(fold_rows))
 
 
 def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, scale, route="auto",
                   block_v=None, block_k=None, num_warps=None, num_stages=None, fold_block_v=None,
-                  fold_num_warps=None, fold_rows=None):
+                  fold_block_k=None, fold_num_warps=None, fold_rows=None):
   """ReplaySSM GDN decode (one token per row): step pass, then the flush-fold pass.
 
   ``block_v``/``block_k``/``num_warps``/``num_stages`` override the step kernel's config
   (``block_k``, the K chunk, applies to the output-only route), ``fold_block_v`` /
-  ``fold_num_warps`` the fold pass's, ``fold_rows`` its number of row slots. Returns (o [B, Hv, V] in v.dtype, bufs).
+  ``fold_block_k`` / ``fold_num_warps`` the fold pass's, ``fold_rows`` its number of row slots.
+  Returns (o [B, Hv, V] in v.dtype, bufs).
   """
   op = "gdn.replay_decode[pallas_triton]"
   if plan.num_tokens != 1:
@@ -344,8 +349,8 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
     raise ValueError(f"route={route!r}; expected one of {ROUTES}")
   cfg = _replay_cfg(op, bufs, q.shape[0], plan.buffer_len, block_v=block_v, block_k=block_k,
                     num_warps=num_warps,
-                    num_stages=num_stages, fold_block_v=fold_block_v, fold_num_warps=fold_num_warps,
-                    fold_rows=fold_rows)
+                    num_stages=num_stages, fold_block_v=fold_block_v, fold_block_k=fold_block_k,
+                    fold_num_warps=fold_num_warps, fold_rows=fold_rows)
   return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale),
                         route=cfg.route if route == "auto" else route, cfg=cfg,
                         interpret=common.interpret_mode())
@@ -356,7 +361,8 @@ def materialize(bufs: ReplayBuffers, slots, base, length, *, block_v=None, num_w
   """Exact state of each row (checkpoint ⊕ ``length`` entries from ``base``): f32 [B, Hv, V, K]."""
   op = "gdn.materialize[pallas_triton]"
   common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
-  cfg = config_lib.materialize_config(device_kind=common.device_kind(), head_v_dim=bufs.head_v_dim)
+  cfg = config_lib.materialize_config(device_kind=common.device_kind(), head_k_dim=bufs.head_k_dim,
+                                      head_v_dim=bufs.head_v_dim)
   cfg = _knobs(op, cfg, bufs.head_v_dim, bufs.head_k_dim, block_v=block_v, num_warps=num_warps,
                num_stages=num_stages)
   return _materialize(bufs, slots, base, length, cfg=cfg, interpret=common.interpret_mode())
