@@ -74,22 +74,27 @@ def _load_window(ref, inside_rows):
   return plt.load(ref, mask=mask, other=jnp.zeros((), ref.dtype)).astype(f32)
 
 
-def _accumulate_window(S, weights, inside, load_k, load_u, ring_size):
-  """S + Σ_p w_p u_p k_pᵀ over the ring positions p inside the window: f32 rank-one FMAs, no dot.
+def _accumulate_window(S, weights, inside, ring_k, ring_u, ring_size):
+  """S + Σ_p w_p u_p k_pᵀ over the ring positions p inside the window, in float32.
 
-  Unrolled over the R ring positions rather than looping over the window's length: every entry's
-  loads are independent and issue together (a dynamic-trip-count loop serialised them; H200,
-  B=256: the flush fold of 16 rows cost 0.035 ms per layer-step). ``load_k(p, live)`` /
-  ``load_u(p, live)`` load entry p's key [K] / value tile [BV] as zeros where ``live`` is False
-  (entries outside the window may be stale or NaN).
+  ``ring_k`` [R, BK] and ``ring_u`` [R, BV] are ring refs; entries outside the window are never
+  read (masked loads give zeros; they may be stale or NaN). With R ≥ 16 (Triton's smallest dot)
+  the sum is one IEEE-f32 dot ``(w∘U)ᵀ K`` at HIGHEST precision — exact f32, never TF32. Smaller
+  rings unroll R rank-one FMAs whose loads are independent and issue together.
   """
+  if ring_size >= 16:
+    U = _load_window(ring_u, inside)                              # [R, BV]
+    Kr = _load_window(ring_k, inside)                             # [R, BK]
+    return S + jnp.dot((weights[:, None] * U).T, Kr, precision=lax.Precision.HIGHEST)
   pos = lax.broadcasted_iota(jnp.int32, (ring_size,), 0)
   for p in range(ring_size):
     at_p = pos == p
     w = jnp.sum(jnp.where(at_p, weights, 0.0))
     live = jnp.sum(jnp.where(at_p & inside, 1, 0)) > 0
     i = jnp.int32(p)  # an array index: interpret mode cannot discharge a Python int in a masked load
-    S = S + (w * load_u(i, live).astype(f32))[:, None] * load_k(i, live).astype(f32)[None, :]
+    u = _load_entry(ring_u.at[i], live).astype(f32)
+    k = _load_entry(ring_k.at[i], live).astype(f32)
+    S = S + (w * u)[:, None] * k[None, :]
   return S
 
 
@@ -150,9 +155,7 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
         # Reconstruct S_{t-1} (the wrapper keeps block_k = K on this route).
         (k,), (q,) = ks, qs
         S = _accumulate_window(decay * state_ref[s, h, tile, :].astype(f32), w, inside,
-                               lambda p, live: _load_entry(ring_k_ref.at[s, hk, p, :], live),
-                               lambda p, live, h=h: _load_entry(ring_u_ref.at[s, h, p, tile], live),
-                               ring_size)
+                               ring_k_ref.at[s, hk, :, :], ring_u_ref.at[s, h, :, tile], ring_size)
         Sk = jnp.sum(S * k[None, :], axis=1)
         Sq = jnp.sum(S * q[None, :], axis=1)
       g = g_ref[b, h].astype(f32)
@@ -197,9 +200,7 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_
       rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
       w, total = window_decays(rg, base, length, ring_size)
       S = _accumulate_window(jnp.exp(total) * state_ref[s, h, tile, tile_k].astype(f32), w, inside,
-                             lambda p, live: _load_entry(ring_k_ref.at[s, hk, p, tile_k], live),
-                             lambda p, live: _load_entry(ring_u_ref.at[s, h, p, tile], live),
-                             ring_size)
+                             ring_k_ref.at[s, hk, :, tile_k], ring_u_ref.at[s, h, :, tile], ring_size)
       out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)
 
     if not into_checkpoint:
