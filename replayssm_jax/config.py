@@ -78,36 +78,35 @@ def _is_f32(state_dtype) -> bool:
 
 def decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
                   batch: int) -> KernelConfig:
-  """Conventional decode, grid (B, Hv, V/BV), state tile [BV, K]."""
+  """Conventional decode, grid (V/BV, Hv, B), state tile [BV, K]."""
   del head_k_dim, batch
   if _is_cpu(device_kind):
     # Interpret mode: speed is irrelevant; small tiles make CPU tests cover the multi-tile indexing.
     cfg = KernelConfig(block_v=16, num_warps=4)
   elif _is_f32(state_dtype):
-    # H200 calibration: BV=128 with 8 warps reached 86 % of the copy ceiling (BV=32/4 warps untried).
-    cfg = KernelConfig(block_v=128, num_warps=8)
+    # H200 sweep 2026-11-29, B=256: BV=16/2 warps 0.297 ms (87 % of the copy ceiling); BV=8/1,
+    # 32/4 within 1 %; BV=128/8 0.309 ms; BV=64/2 0.319 ms.
+    cfg = KernelConfig(block_v=16, num_warps=2)
   else:
-    # H200 calibration, bf16 state: BV=32 with 4 warps, 80 % of the copy ceiling.
+    # H200 sweep 2026-11-29, bf16 state, B=256: BV=32/4 warps 0.160 ms (82 %); BV=16/1-2 and
+    # 8/1 within 2 %; BV=32/1 0.192 ms.
     cfg = KernelConfig(block_v=32, num_warps=4)
   return cfg.fit(head_v_dim)
 
 
 def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
                   num_k_heads: int, batch: int, buffer_len: int) -> ReplayConfig:
-  """Replay step, grid (B, Hk, V/BV), plus the fold pass, grid (B, Hv, V/BV)."""
-  # Output-only never builds S: calibration 0.268 ms vs 0.471 ms for a reconstructing step.
+  """Replay step, grid (V/BV, Hk, B), plus the fold pass, grid (V/BV · K/BK, Hv, fold_rows)."""
+  # Output-only never builds S: H200, B=256, L=16, f32: 0.219 ms vs 0.39 ms or more reconstructing.
   route = "output_only"
   if _is_cpu(device_kind):
     # Interpret mode: speed is irrelevant; two V tiles and two K chunks make CPU tests cover the
     # multi-tile indexing.
     step = KernelConfig(block_v=16, num_warps=4, block_k=max(head_k_dim // 2, 1))
-  elif _is_f32(state_dtype):
-    # H200 calibration, f32 state: BV=32 with 2 warps; BV=64 with 4 warps spilled (8x slower).
-    step = KernelConfig(block_v=32, num_warps=2)
   else:
-    # H200 calibration, bf16/f16 state: BV=64 beat BV=32 (0.155 ms non-flush); warps untuned.
-    step = KernelConfig(block_v=64, num_warps=2)
-  # Untuned: K chunks of 64 (the published kernel's nk=2) are the next thing to sweep; whole K now.
+    # H200 sweep 2026-11-29, B=256, L=16 (f32 and bf16 state): BV=64, K in two chunks of 64,
+    # 2 warps was best (f32 0.226 ms vs 0.238-0.283 for BV 16-64 with 1-4 warps and whole K).
+    step = KernelConfig(block_v=64, num_warps=2, block_k=64)
   step = step.fit(head_v_dim, head_k_dim)
   if not _is_cpu(device_kind) and batch * num_k_heads * (head_v_dim // step.block_v) < 2 * 132:
     # Untuned: fewer than two programs per H200 SM leaves SMs idle; halve the tile for parallelism.
@@ -118,7 +117,8 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   # Rows at staggered phases flush about B/L per step; twice that many row slots keeps one row
   # per fold program in steady state, and rows beyond (synchronised flushes) loop, never drop.
   fold_rows = min(batch, _next_pow2(-(-2 * batch // buffer_len)))
-  return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim), fold_rows=fold_rows)
+  return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim, head_k_dim),
+                      fold_rows=fold_rows)
 
 
 def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int) -> KernelConfig:
@@ -130,5 +130,7 @@ def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int) ->
 def _fold_tile(device_kind: str, head_k_dim: int) -> KernelConfig:
   if _is_cpu(device_kind):
     return KernelConfig(block_v=16, block_k=max(head_k_dim // 2, 1), num_warps=4)
-  # H200, B=256, L=16: untuned start (a [32, K] tile in 4 warps).
-  return KernelConfig(block_v=32, num_warps=4)
+  # H200 sweep 2026-11-29, B=256, L=16: a [32, 64] tile in 2 warps (f32 0.2191, bf16 0.1438 ms per
+  # layer-step in all); [16-64, 64-128] tiles with 1-4 warps within 2 %, except [64, 128] f32
+  # (spills: 0.63 ms).
+  return KernelConfig(block_v=32, block_k=64, num_warps=2)
