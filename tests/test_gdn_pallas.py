@@ -248,20 +248,24 @@ def _lower(fn, donate, *args):
 
 @pytest.fixture(scope="module")
 def production_inputs():
-  cursor = rs.ReplayCursor.create(P_N, buffer_len=P_L)
   slots = jnp.asarray(np.r_[np.arange(P_B - 1), -1], jnp.int32)
   bf16 = jnp.bfloat16
   step = (jnp.zeros((P_B, P_HK, P_K), bf16), jnp.zeros((P_B, P_HK, P_K), bf16),
           jnp.zeros((P_B, P_HV, P_V), bf16), jnp.zeros((P_B, P_HV), bf16),
           jnp.zeros((P_B, P_HV), bf16))
-  return cursor, slots, step
+  return slots, step
 
 
+# L = 8, 16, 32 give rings of 8, 16 and 32 entries: the unrolled and the dot accumulation.
+@pytest.mark.parametrize("buffer_len", [8, P_L, 32])
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", ["decode", "replay_output_only", "replay_reconstruct",
                                     "replay_output_only_k64", "materialize"])
-def test_lowers_for_h200(kernel, state_dtype, production_inputs):
-  cursor, slots, step = production_inputs
+def test_lowers_for_h200(kernel, state_dtype, buffer_len, production_inputs):
+  if kernel == "decode" and buffer_len != P_L:
+    pytest.skip("the conventional kernel has no ring")
+  slots, step = production_inputs
+  cursor = rs.ReplayCursor.create(P_N, buffer_len=buffer_len)
   bufs = rs.gdn.ReplayBuffers.create(P_N, cursor, num_k_heads=P_HK, num_v_heads=P_HV,
                                      head_k_dim=P_K, head_v_dim=P_V, state_dtype=state_dtype,
                                      ring_dtype=jnp.bfloat16)

@@ -74,10 +74,12 @@ def _load_window(ref, inside_rows):
   return plt.load(ref, mask=mask, other=jnp.zeros((), ref.dtype)).astype(f32)
 
 
-def _accumulate_window(S, weights, inside, ring_k, ring_u, ring_size):
+def _accumulate_window(S, weights, inside, k_at, u_at, ring_size):
   """S + Σ_p w_p u_p k_pᵀ over the ring positions p inside the window, in float32.
 
-  ``ring_k`` [R, BK] and ``ring_u`` [R, BV] are ring refs; entries outside the window are never
+  ``k_at(rows)`` / ``u_at(rows)`` index the key [.., BK] / value [.., BV] ring of the row's head
+  with ``rows`` a slice (all R entries) or one entry, in a single indexer (Triton lowers no
+  chained indexers). Entries outside the window are never
   read (masked loads give zeros; they may be stale or NaN). With R ≥ 16 (Triton's smallest dot)
   and a tile of at most 32×128, the sum is one IEEE-f32 dot ``(w∘U)ᵀ K`` at HIGHEST precision —
   exact f32, never TF32 (H200, B=256, L=16: the flush fold went from 0.061 to 0.045 ms per
@@ -85,8 +87,8 @@ def _accumulate_window(S, weights, inside, ring_k, ring_u, ring_size):
   loads independent so they issue together.
   """
   if ring_size >= 16 and S.shape[0] * S.shape[1] <= 32 * 128:
-    U = _load_window(ring_u, inside)                              # [R, BV]
-    Kr = _load_window(ring_k, inside)                             # [R, BK]
+    U = _load_window(u_at(slice(None)), inside)                   # [R, BV]
+    Kr = _load_window(k_at(slice(None)), inside)                  # [R, BK]
     return S + jnp.dot((weights[:, None] * U).T, Kr, precision=lax.Precision.HIGHEST)
   pos = lax.broadcasted_iota(jnp.int32, (ring_size,), 0)
   for p in range(ring_size):
@@ -94,8 +96,8 @@ def _accumulate_window(S, weights, inside, ring_k, ring_u, ring_size):
     w = jnp.sum(jnp.where(at_p, weights, 0.0))
     live = jnp.sum(jnp.where(at_p & inside, 1, 0)) > 0
     i = jnp.int32(p)  # an array index: interpret mode cannot discharge a Python int in a masked load
-    u = _load_entry(ring_u.at[i], live).astype(f32)
-    k = _load_entry(ring_k.at[i], live).astype(f32)
+    u = _load_entry(u_at(i), live).astype(f32)
+    k = _load_entry(k_at(i), live).astype(f32)
     S = S + (w * u)[:, None] * k[None, :]
   return S
 
@@ -157,7 +159,8 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
         # Reconstruct S_{t-1} (the wrapper keeps block_k = K on this route).
         (k,), (q,) = ks, qs
         S = _accumulate_window(decay * state_ref[s, h, tile, :].astype(f32), w, inside,
-                               ring_k_ref.at[s, hk, :, :], ring_u_ref.at[s, h, :, tile], ring_size)
+                               lambda rows: ring_k_ref.at[s, hk, rows, :],
+                               lambda rows, h=h: ring_u_ref.at[s, h, rows, tile], ring_size)
         Sk = jnp.sum(S * k[None, :], axis=1)
         Sq = jnp.sum(S * q[None, :], axis=1)
       g = g_ref[b, h].astype(f32)
@@ -202,7 +205,8 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_
       rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
       w, total = window_decays(rg, base, length, ring_size)
       S = _accumulate_window(jnp.exp(total) * state_ref[s, h, tile, tile_k].astype(f32), w, inside,
-                             ring_k_ref.at[s, hk, :, tile_k], ring_u_ref.at[s, h, :, tile], ring_size)
+                             lambda rows: ring_k_ref.at[s, hk, rows, tile_k],
+                             lambda rows: ring_u_ref.at[s, h, rows, tile], ring_size)
       out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)
 
     if not into_checkpoint:
