@@ -6,11 +6,11 @@ Value head h reads key head ``h // (Hv // Hk)``.
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from replayssm_jax import _checks
 from replayssm_jax import _dispatch
-from replayssm_jax.cursor import ReplayCursor, ReplayPlan
+from replayssm_jax import _slots
+from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.gdn import xla
 from replayssm_jax.gdn.buffers import ReplayBuffers
 
@@ -132,12 +132,7 @@ def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", imp
 _jit_xla_replay = jax.jit(xla.replay_decode, static_argnames=("scale", "route"))
 
 
-def _check_cursor(cursor, bufs):
-  if not isinstance(cursor, ReplayCursor):
-    raise ValueError(f"cursor must be a ReplayCursor; got {type(cursor).__name__}")
-  if cursor.num_slots != bufs.num_slots or cursor.ring_size != bufs.ring_size:
-    raise ValueError(f"cursor has {cursor.num_slots} slots and ring size {cursor.ring_size}; bufs have "
-                     f"{bufs.num_slots} slots and ring size {bufs.ring_size}")
+_check_cursor = _slots.check_cursor
 
 
 def materialize(bufs, cursor, slots, *, implementation=None):
@@ -149,10 +144,7 @@ def materialize(bufs, cursor, slots, *, implementation=None):
   _check_cursor(cursor, bufs)
   _checks.expect_slots("slots", slots)
   _checks.check_slots("slots", slots, bufs.num_slots)
-  valid = slots >= 0
-  safe = jnp.where(valid, slots, 0)
-  base = jnp.where(valid, cursor.base[safe], 0)
-  count = jnp.where(valid, cursor.count[safe], 0)
+  base, count = _slots.window_of(cursor, slots)
 
   def run_xla():
     return _jit_xla_materialize(bufs, slots, base, count)
@@ -168,13 +160,6 @@ def materialize(bufs, cursor, slots, *, implementation=None):
 _jit_xla_materialize = jax.jit(xla.materialize)
 
 
-@jax.jit
-def _write_state(bufs, cursor, slots, S):
-  idx = jnp.where(slots >= 0, slots, bufs.num_slots)
-  state = bufs.state.at[idx].set(S.astype(bufs.state.dtype), mode="drop")
-  return bufs.replace(state=state), cursor.reset(slots)
-
-
 def write_state(bufs, cursor, slots, S, *, implementation=None):
   """Sets the checkpoint of ``slots`` to ``S`` [B, Hv, V, K] and empties their windows.
 
@@ -182,25 +167,7 @@ def write_state(bufs, cursor, slots, S, *, implementation=None):
   movement: an in-place scatter under donation for every implementation.
   """
   _check_buffers(bufs)
-  _check_cursor(cursor, bufs)
-  _checks.expect_slots("slots", slots)
-  _checks.expect_float("S", S)
-  _checks.expect_shape("S", S, (slots.shape[0],) + bufs.state.shape[1:], "([B, Hv, V, K])")
-  _checks.check_slots("slots", slots, bufs.num_slots)
-  _dispatch.resolve("gdn.write_state", implementation)
-  return _write_state(bufs, cursor, slots, S)
-
-
-@jax.jit
-def _copy_slots(bufs, cursor, src, dst):
-  n = bufs.num_slots
-  live = (src >= 0) & (dst >= 0)
-  take = jnp.where(live, src, 0)
-  put = jnp.where(live, dst, n)
-  copied = jax.tree.map(lambda x: x.at[put].set(x[take], mode="drop"), bufs)
-  cursor = cursor.replace(base=cursor.base.at[put].set(cursor.base[take], mode="drop"),
-                          count=cursor.count.at[put].set(cursor.count[take], mode="drop"))
-  return copied, cursor
+  return _slots.write_state("gdn.write_state", bufs, cursor, slots, S, implementation, "([B, Hv, V, K])")
 
 
 def copy_slots(bufs, cursor, src, dst, *, implementation=None):
@@ -211,14 +178,4 @@ def copy_slots(bufs, cursor, src, dst, *, implementation=None):
   ``dst`` must not repeat and must not overlap ``src``. Pure data movement (in-place scatter).
   """
   _check_buffers(bufs)
-  _check_cursor(cursor, bufs)
-  _checks.expect_slots("src", src)
-  _checks.expect_slots("dst", dst, src.shape[0])
-  _checks.check_slots("dst", dst, bufs.num_slots)
-  _checks.check_host(lambda s: bool(np.all(s < bufs.num_slots)),
-                     lambda s: f"src holds slot {int(s.max())} but the pool has {bufs.num_slots} slots", src)
-  _checks.check_host(
-      lambda s, d: not (set(s[(s >= 0) & (d >= 0)].tolist()) & set(d[(s >= 0) & (d >= 0)].tolist())),
-      lambda s, d: f"copy_slots: src {s.tolist()} and dst {d.tolist()} overlap", src, dst)
-  _dispatch.resolve("gdn.copy_slots", implementation)
-  return _copy_slots(bufs, cursor, src, dst)
+  return _slots.copy_slots("gdn.copy_slots", bufs, cursor, src, dst, implementation)

@@ -6,9 +6,10 @@ Shapes: q, k [B, Hk, K]; v [B, Hv, V]; g, beta [B, Hv]; pool [N, Hv, V, K]; slot
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax import _slots
+from replayssm_jax import replay
 from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.gdn.buffers import ReplayBuffers
-from replayssm_jax.replay import window_decays, window_offsets
 
 HIGHEST = jax.lax.Precision.HIGHEST
 f32 = jnp.float32
@@ -19,12 +20,8 @@ def _per_v_head(x, num_v_heads):
   return jnp.repeat(x, num_v_heads // x.shape[1], axis=1)
 
 
-def _gather(pool, slots):
-  return pool[jnp.where(slots >= 0, slots, 0)]
-
-
-def _scatter_index(slots, num_slots):
-  return jnp.where(slots >= 0, slots, num_slots)
+_gather = _slots.gather
+_scatter_index = _slots.scatter_index
 
 
 def _delta_step(S, q, k, v, g, beta, scale):
@@ -50,30 +47,11 @@ def decode(q, k, v, g, beta, pool, slots, *, scale):
 
 def _window(bufs: ReplayBuffers, slots, base, length):
   """Gathered window of each row: (S_c, keys per value head, u, weights, total log decay)."""
-  hv = bufs.num_v_heads
-  Sc = _gather(bufs.state, slots).astype(f32)
-  rk = _per_v_head(_gather(bufs.ring_k, slots).astype(f32), hv)           # [B, Hv, R, K]
-  ru = _gather(bufs.ring_u, slots).astype(f32)                            # [B, Hv, R, V]
-  rg = _gather(bufs.ring_g, slots)                                        # [B, Hv, R]
-  w, total = window_decays(rg, base[:, None], length[:, None], bufs.ring_size)
-  # Entries outside the window may hold anything (stale, NaN): select them away, never multiply by 0.
-  _, inside = window_offsets(rg.shape, base[:, None], length[:, None], bufs.ring_size)
-  rk = jnp.where(inside[..., None], rk, 0.0)
-  ru = jnp.where(inside[..., None], ru, 0.0)
-  return Sc, rk, ru, w, total
+  return replay.gather_window(bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g, slots, base, length)
 
 
-def _rebuild(Sc, rk, ru, w, total):
-  """S = exp(total) S_c + Σ_j w_j u_j k_jᵀ."""
-  return (jnp.exp(total)[..., None, None] * Sc
-          + jnp.einsum("bhr,bhrv,bhrk->bhvk", w, ru, rk, precision=HIGHEST))
-
-
-def _read(Sc, rk, ru, w, total, x):
-  """S x without building S: exp(total)(S_c x) + Σ_j w_j (k_j·x) u_j."""
-  kx = jnp.einsum("bhrk,bhk->bhr", rk, x, precision=HIGHEST)
-  return (jnp.exp(total)[..., None] * jnp.einsum("bhvk,bhk->bhv", Sc, x, precision=HIGHEST)
-          + jnp.einsum("bhr,bhrv->bhv", w * kx, ru, precision=HIGHEST))
+_rebuild = replay.rebuild
+_read = replay.read
 
 
 def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, scale, route):
