@@ -118,8 +118,10 @@ class ReplayCursor:
     if buffer_len < max_draft + 1:
       raise ValueError(f"buffer_len={buffer_len} with max_draft={max_draft}; expected buffer_len >= "
                        f"max_draft + 1 so that a flushed row's drafts fit the live window")
-    zeros = jnp.zeros((int(num_slots),), jnp.int32)
-    return cls(base=zeros, count=zeros, buffer_len=int(buffer_len), max_draft=int(max_draft))
+    # Two distinct arrays: a cursor donated to a jitted step must not hold one buffer twice.
+    return cls(base=jnp.zeros((int(num_slots),), jnp.int32),
+               count=jnp.zeros((int(num_slots),), jnp.int32),
+               buffer_len=int(buffer_len), max_draft=int(max_draft))
 
   def _check_values(self) -> None:
     _checks.check_host(

@@ -370,3 +370,11 @@ def test_no_recompilation_across_cursor_values():
   step(cursor, jnp.array([-1, -1, -1, -1], i32), jnp.zeros(4, bool), jnp.ones(4, i32))
   assert len(traces) == 1, f"plan+commit traced {len(traces)} times across cursor values"
   assert flushed > 5 and int(np.max(np.asarray(cursor.base))) > 0
+
+
+def test_created_cursor_is_donatable():
+  # base and count must be distinct buffers: donating one buffer twice is an error in JAX.
+  cursor = rs.ReplayCursor.create(4, buffer_len=4)
+  step = jax.jit(lambda c: c.commit(c.plan(jnp.arange(2, dtype=jnp.int32))), donate_argnums=0)
+  cursor = step(cursor)
+  assert np.asarray(cursor.count).tolist() == [1, 1, 0, 0]
