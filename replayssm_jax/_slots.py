@@ -11,7 +11,42 @@ import numpy as np
 
 from replayssm_jax import _checks
 from replayssm_jax import _dispatch
-from replayssm_jax.cursor import ReplayCursor
+from replayssm_jax.cursor import ReplayCursor, ReplayPlan
+
+BUFFER_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def check_create(num_slots, cursor, dims: dict, state_dtype, ring_dtype):
+  """Validates a family's ``ReplayBuffers.create`` arguments; returns (state dtype, ring dtype).
+
+  ``dims`` maps argument names to their values (each an int >= 1); ``ring_dtype=None`` means the
+  state dtype.
+  """
+  for name, value in {"num_slots": num_slots, **dims}.items():
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name}={value!r}; expected an int >= 1")
+  if not isinstance(cursor, ReplayCursor):
+    raise ValueError(f"cursor must be a ReplayCursor; got {type(cursor).__name__}")
+  if cursor.num_slots != num_slots:
+    raise ValueError(f"cursor has {cursor.num_slots} slots but num_slots={num_slots}")
+  state_dtype = jnp.dtype(state_dtype)
+  ring_dtype = state_dtype if ring_dtype is None else jnp.dtype(ring_dtype)
+  allowed = [jnp.dtype(d) for d in BUFFER_DTYPES]
+  for name, dtype in (("state_dtype", state_dtype), ("ring_dtype", ring_dtype)):
+    if dtype not in allowed:
+      raise ValueError(f"{name}={dtype}; expected float32, bfloat16 or float16")
+  return state_dtype, ring_dtype
+
+
+def check_plan(plan, bufs, batch: int, rows_of: str) -> None:
+  """A plan from the cursor these buffers were made with, one slot per row of ``rows_of``."""
+  if not isinstance(plan, ReplayPlan):
+    raise ValueError(f"plan must be a ReplayPlan from cursor.plan(...); got {type(plan).__name__}")
+  if plan.ring_size != bufs.ring_size:
+    raise ValueError(f"plan has ring_size={plan.ring_size} but bufs were created with ring size "
+                     f"{bufs.ring_size} (use the cursor the buffers were created with)")
+  _checks.expect_shape("plan.slots", plan.slots, (batch,), f"(one slot per row of {rows_of})")
+  _checks.check_slots("plan.slots", plan.slots, bufs.num_slots)
 
 
 def gather(pool, slots):

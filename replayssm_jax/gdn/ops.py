@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from replayssm_jax import _checks
 from replayssm_jax import _dispatch
 from replayssm_jax import _slots
-from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.gdn import xla
 from replayssm_jax.gdn.buffers import ReplayBuffers
 
@@ -75,16 +74,6 @@ def _check_buffers(bufs):
     raise ValueError(f"bufs must be gdn.ReplayBuffers; got {type(bufs).__name__}")
 
 
-def _check_plan(plan, bufs, batch):
-  if not isinstance(plan, ReplayPlan):
-    raise ValueError(f"plan must be a ReplayPlan from cursor.plan(...); got {type(plan).__name__}")
-  if plan.ring_size != bufs.ring_size:
-    raise ValueError(f"plan has ring_size={plan.ring_size} but bufs were created with ring size "
-                     f"{bufs.ring_size} (use the cursor the buffers were created with)")
-  _checks.expect_shape("plan.slots", plan.slots, (batch,), "(one slot per row of q)")
-  _checks.check_slots("plan.slots", plan.slots, bufs.num_slots)
-
-
 def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", implementation=None):
   """ReplaySSM GDN decode, one token per row (``plan.num_tokens == 1``).
 
@@ -109,7 +98,7 @@ def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", imp
                              head_k_dim=bufs.head_k_dim, head_v_dim=bufs.head_v_dim)
   if hk != bufs.num_k_heads:
     raise ValueError(f"q has {hk} key heads; bufs.ring_k has {bufs.num_k_heads}")
-  _check_plan(plan, bufs, b)
+  _slots.check_plan(plan, bufs, b, "q")
   if plan.num_tokens != 1:
     raise ValueError(f"replay_decode takes plans with num_tokens=1; got num_tokens={plan.num_tokens} "
                      f"(use replay_verify for draft tokens)")

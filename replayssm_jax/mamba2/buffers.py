@@ -3,10 +3,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax import _slots
 from replayssm_jax.cursor import ReplayCursor
-
-STATE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-RING_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 @flax.struct.dataclass
@@ -30,23 +28,12 @@ class ReplayBuffers:
   def create(cls, num_slots: int, cursor: ReplayCursor, *, num_heads: int, head_dim: int,
              num_groups: int, state_dim: int, state_dtype=jnp.float32, ring_dtype=None) -> "ReplayBuffers":
     """Zeroed buffers. ``ring_dtype=None`` stores the ring in the state dtype."""
-    for name, value in (("num_slots", num_slots), ("num_heads", num_heads), ("head_dim", head_dim),
-                        ("num_groups", num_groups), ("state_dim", state_dim)):
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r}; expected an int >= 1")
+    state_dtype, ring_dtype = _slots.check_create(
+        num_slots, cursor, {"num_heads": num_heads, "head_dim": head_dim, "num_groups": num_groups,
+                            "state_dim": state_dim}, state_dtype, ring_dtype)
     if num_heads % num_groups:
       raise ValueError(f"num_heads={num_heads} is not a multiple of num_groups={num_groups} "
                        f"(head h reads group h // (H // G))")
-    if not isinstance(cursor, ReplayCursor):
-      raise ValueError(f"cursor must be a ReplayCursor; got {type(cursor).__name__}")
-    if cursor.num_slots != num_slots:
-      raise ValueError(f"cursor has {cursor.num_slots} slots but num_slots={num_slots}")
-    state_dtype = jnp.dtype(state_dtype)
-    ring_dtype = state_dtype if ring_dtype is None else jnp.dtype(ring_dtype)
-    if state_dtype not in [jnp.dtype(d) for d in STATE_DTYPES]:
-      raise ValueError(f"state_dtype={state_dtype}; expected float32, bfloat16 or float16")
-    if ring_dtype not in [jnp.dtype(d) for d in RING_DTYPES]:
-      raise ValueError(f"ring_dtype={ring_dtype}; expected float32, bfloat16 or float16")
     r = cursor.ring_size
     return cls(
         state=jnp.zeros((num_slots, num_heads, head_dim, state_dim), state_dtype),

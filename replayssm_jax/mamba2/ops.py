@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from replayssm_jax import _checks
 from replayssm_jax import _dispatch
 from replayssm_jax import _slots
-from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.mamba2 import xla
 from replayssm_jax.mamba2.buffers import ReplayBuffers
 
@@ -87,16 +86,6 @@ def _check_buffers(bufs):
     raise ValueError(f"bufs must be mamba2.ReplayBuffers; got {type(bufs).__name__}")
 
 
-def _check_plan(plan, bufs, batch):
-  if not isinstance(plan, ReplayPlan):
-    raise ValueError(f"plan must be a ReplayPlan from cursor.plan(...); got {type(plan).__name__}")
-  if plan.ring_size != bufs.ring_size:
-    raise ValueError(f"plan has ring_size={plan.ring_size} but bufs were created with ring size "
-                     f"{bufs.ring_size} (use the cursor the buffers were created with)")
-  _checks.expect_shape("plan.slots", plan.slots, (batch,), "(one slot per row of x)")
-  _checks.check_slots("plan.slots", plan.slots, bufs.num_slots)
-
-
 def replay_decode(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, dt_softplus=True,
                   route="auto", implementation=None):
   """ReplaySSM Mamba2 decode, one token per row (``plan.num_tokens == 1``).
@@ -121,7 +110,7 @@ def replay_decode(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
                             head_dim=bufs.head_dim, state_dim=bufs.state_dim)
   if g != bufs.num_groups:
     raise ValueError(f"B has {g} groups; bufs.ring_B has {bufs.num_groups}")
-  _check_plan(plan, bufs, b)
+  _slots.check_plan(plan, bufs, b, "x")
   if plan.num_tokens != 1:
     raise ValueError(f"replay_decode takes plans with num_tokens=1; got num_tokens={plan.num_tokens}")
   if route not in ROUTES:
