@@ -7,11 +7,9 @@ over P rotating layer pools like bench.gdn_decode. Run on a GPU:
     python -m bench.gdn_breakdown --batch 256 --buffer-len 16 --state-dtype float32
 """
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import replayssm_jax as rs

@@ -32,8 +32,8 @@ from flax import nnx
 from replayssm_jax import gdn
 from replayssm_jax import _checks
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
+from replayssm_jax.models import _conv
 
-HIGHEST = jax.lax.Precision.HIGHEST
 f32 = jnp.float32
 L2_EPS = 1e-6
 
@@ -106,14 +106,6 @@ class GdnLayerCache:
   """
   conv_state: jax.Array
   bufs: gdn.ReplayBuffers
-
-
-def _empty_cursor_for(bufs: gdn.ReplayBuffers) -> ReplayCursor:
-  # write_state needs a cursor only to check shapes and to return it reset; the model's shared
-  # cursor is reset once for all layers by the caller (LM.prefill), so a stand-in with the same
-  # pool and ring size (R is a power of two, so buffer_len = R gives ring size R) is enough.
-  zeros = jnp.zeros((bufs.num_slots,), jnp.int32)
-  return ReplayCursor(base=zeros, count=zeros, buffer_len=bufs.ring_size, max_draft=0)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -224,7 +216,6 @@ class GatedDeltaNet(nnx.Module):
     Returns:
       (y [B, T, D] in the layer dtype, zeros at padded positions and on padding rows; cache).
     """
-    c = self.config
     self._check_x("x", x, 3, "([B, T, D])")
     self._check_cache(cache)
     bsz, t, _ = x.shape
@@ -235,15 +226,9 @@ class GatedDeltaNet(nnx.Module):
     real = (jnp.arange(t)[None, :] < lengths[:, None]) & (slots >= 0)[:, None]   # [B, T]
 
     qkv, z, b, a = self._project(x)
-    # Causal depthwise conv: out_t = Σ_{i<W} w_i · in_{t−(W−1)+i}, zeros before the prompt.
-    w = c.conv_kernel
-    padded = jnp.pad(qkv, ((0, 0), (w - 1, 0), (0, 0)))                    # [B, T+W-1, C]
-    wt = self.conv_weight[...].astype(f32)
-    conv = sum(wt[i] * padded[:, i:i + t].astype(f32) for i in range(w))
+    conv, conv_state = _conv.prefill(qkv, self.conv_weight[...], None, cache.conv_state, slots,
+                                     lengths)
     qkv = jax.nn.silu(conv)
-    # Conv state = the W-1 inputs before position lengths[b]: padded rows lengths[b] .. +W-2.
-    idx = lengths[:, None] + jnp.arange(w - 1)[None, :]                    # [B, W-1]
-    conv_tail = jnp.take_along_axis(padded, idx[:, :, None], axis=1)
 
     q, k, v, g, beta = self._heads(qkv, b, a)
     mask = lambda u: jnp.where(real.reshape(real.shape + (1,) * (u.ndim - 2)), u, 0)
@@ -251,9 +236,7 @@ class GatedDeltaNet(nnx.Module):
     o, S = gdn.chunked(q, k, v, g, beta, chunk_size=chunk_size)       # o [B, T, Hv, V], S f32
     y = jnp.where(real[..., None], self._output(o, z), 0)
 
-    bufs, _ = gdn.write_state(cache.bufs, _empty_cursor_for(cache.bufs), slots, S)
-    put = jnp.where(slots >= 0, slots, cache.conv_state.shape[0])
-    conv_state = cache.conv_state.at[put].set(conv_tail.astype(cache.conv_state.dtype), mode="drop")
+    bufs, _ = gdn.write_state(cache.bufs, _conv.stand_in_cursor(cache.bufs), slots, S)
     return y, GdnLayerCache(conv_state=conv_state, bufs=bufs)
 
   # ---- decode ------------------------------------------------------------------------------
@@ -274,7 +257,6 @@ class GatedDeltaNet(nnx.Module):
       (y [B, D] in the layer dtype, zeros on padding rows; cache). The caller commits the
       cursor once for all layers (replay mode only).
     """
-    c = self.config
     self._check_x("x", x, 2, "([B, D])")
     self._check_cache(cache)
     if not isinstance(plan, ReplayPlan):
@@ -284,14 +266,7 @@ class GatedDeltaNet(nnx.Module):
     live = slots >= 0
 
     qkv, z, b, a = self._project(x)
-    # Rolling conv: window = [W-1 stored inputs, current input]; out = Σ_i w_i · window_i.
-    n = cache.conv_state.shape[0]
-    hist = cache.conv_state[jnp.where(live, slots, 0)]                   # [B, W-1, C]
-    window = jnp.concatenate([hist, qkv[:, None, :].astype(hist.dtype)], axis=1)
-    conv = jnp.einsum("bwc,wc->bc", window.astype(f32), self.conv_weight[...].astype(f32),
-                      precision=HIGHEST)
-    put = jnp.where(live, slots, n)
-    conv_state = cache.conv_state.at[put].set(window[:, 1:], mode="drop")
+    conv, conv_state = _conv.step(qkv, self.conv_weight[...], None, cache.conv_state, slots)
 
     q, k, v, g, beta = self._heads(jax.nn.silu(conv), b, a)
     if replay:

@@ -1,12 +1,14 @@
-"""A small GatedDeltaNet language model (functional NNX, explicit cache pytree).
+"""A small GatedDeltaNet / Mamba2 language model (functional NNX, explicit cache pytree).
 
     h = embed(tokens)
-    N × { h = h + GatedDeltaNet(rmsnorm(h));  h = h + SwiGLU(rmsnorm(h)) }
+    N × { h = h + Mixer_i(rmsnorm(h));  h = h + SwiGLU(rmsnorm(h)) }
     logits = head(rmsnorm(h))
 
-The cache (``LMCache``) holds one ``GdnLayerCache`` per layer and the *one* ``ReplayCursor``
-shared by all layers: every decode step makes one plan, runs all layers with it and commits
-once (replay mode only; conventional mode leaves the cursor windows empty).
+Mixer_i is a GatedDeltaNet or a Mamba2 layer, chosen per layer by ``LMConfig.layer_types``
+(default: all GatedDeltaNet). The cache (``LMCache``) holds each layer's own cache
+(``GdnLayerCache`` or ``Mamba2LayerCache``) and the *one* ``ReplayCursor`` shared by all layers
+(their rings all have size ``buffer_len``): every decode step makes one plan, runs all layers
+with it and commits once (replay mode only; conventional mode leaves the cursor windows empty).
 """
 import dataclasses
 
@@ -17,9 +19,11 @@ from flax import nnx
 
 from replayssm_jax import _checks
 from replayssm_jax.cursor import ReplayCursor
-from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, GdnLayerCache
+from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
+from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config
 
 f32 = jnp.float32
+LAYER_TYPES = ("gdn", "mamba2")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,6 +35,9 @@ class LMConfig:
     hidden_size: D.
     num_layers: number of (mixer, MLP) blocks.
     num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel: GatedDeltaNet shape.
+    layer_types: one of "gdn" / "mamba2" per layer (None = all "gdn").
+    mamba2_num_heads, mamba2_head_dim, mamba2_num_groups, mamba2_state_dim: Mamba2 shape (H, P,
+      G, N; the conv kernel is ``conv_kernel``), used by "mamba2" layers.
     intermediate_size: SwiGLU hidden width.
     max_prompt_len: longest prompt ``generate`` accepts (prompts are padded to it, so every
       prompt length shares one compilation).
@@ -49,13 +56,28 @@ class LMConfig:
   max_prompt_len: int = 128
   rms_eps: float = 1e-6
   dtype: jnp.dtype = jnp.float32
+  layer_types: tuple | None = None
+  mamba2_num_heads: int = 8
+  mamba2_head_dim: int = 16
+  mamba2_num_groups: int = 1
+  mamba2_state_dim: int = 16
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "intermediate_size", "max_prompt_len"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r}; expected an int >= 1")
+    types = ("gdn",) * self.num_layers if self.layer_types is None else self.layer_types
+    if isinstance(types, str) or not isinstance(types, (tuple, list)):
+      raise ValueError(f"layer_types={types!r}; expected a tuple of {LAYER_TYPES}")
+    types = tuple(types)
+    if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+      raise ValueError(f"layer_types={types!r}; expected {self.num_layers} entries, each one of "
+                       f"{LAYER_TYPES}")
+    object.__setattr__(self, "layer_types", types)
     object.__setattr__(self, "dtype", self.mixer().dtype)  # validates the mixer fields too
+    if "mamba2" in types:
+      self.mamba2_mixer()  # validates the Mamba2 fields
 
   @classmethod
   def tiny(cls, **overrides) -> "LMConfig":
@@ -65,11 +87,31 @@ class LMConfig:
     fields.update(overrides)
     return cls(**fields)
 
+  @classmethod
+  def tiny_mamba2(cls, **overrides) -> "LMConfig":
+    """``tiny()`` with every layer Mamba2: H 8, P 16, G 2, N 16."""
+    fields = dict(mamba2_num_heads=8, mamba2_head_dim=16, mamba2_num_groups=2, mamba2_state_dim=16)
+    fields.update(overrides)
+    fields.setdefault("layer_types", ("mamba2",) * fields.get("num_layers", 2))
+    return cls.tiny(**fields)
+
+  @classmethod
+  def tiny_hybrid(cls, **overrides) -> "LMConfig":
+    """``tiny_mamba2()`` with alternating layers: GatedDeltaNet, Mamba2, GatedDeltaNet, ..."""
+    overrides.setdefault("layer_types", tuple(LAYER_TYPES[i % 2] for i in range(overrides.get("num_layers", 2))))
+    return cls.tiny_mamba2(**overrides)
+
   def mixer(self) -> GatedDeltaNetConfig:
     return GatedDeltaNetConfig(hidden_size=self.hidden_size, num_k_heads=self.num_k_heads,
                                num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
                                head_v_dim=self.head_v_dim, conv_kernel=self.conv_kernel,
                                rms_eps=self.rms_eps, dtype=self.dtype)
+
+  def mamba2_mixer(self) -> Mamba2Config:
+    return Mamba2Config(hidden_size=self.hidden_size, num_heads=self.mamba2_num_heads,
+                        head_dim=self.mamba2_head_dim, num_groups=self.mamba2_num_groups,
+                        state_dim=self.mamba2_state_dim, conv_kernel=self.conv_kernel,
+                        rms_eps=self.rms_eps, dtype=self.dtype)
 
 
 @flax.struct.dataclass
@@ -77,7 +119,7 @@ class LMCache:
   """Decode cache of the LM: per-layer caches and the shared cursor.
 
   Attributes:
-    layers: tuple of GdnLayerCache, one per layer.
+    layers: tuple with one cache per layer (GdnLayerCache or Mamba2LayerCache, by layer type).
     cursor: the ReplayCursor of every slot, shared by all layers.
   """
   layers: tuple
@@ -109,12 +151,15 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-  """h + GDN(norm(h)), then + SwiGLU(norm(h))."""
+  """h + Mixer(norm(h)), then + SwiGLU(norm(h)); Mixer is GatedDeltaNet ("gdn") or Mamba2."""
 
-  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs, layer_type: str = "gdn"):
     c = config
     self.mixer_norm = RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype)
-    self.mixer = GatedDeltaNet(c.mixer(), rngs=rngs)
+    if layer_type == "mamba2":
+      self.mixer = Mamba2(c.mamba2_mixer(), rngs=rngs)
+    else:
+      self.mixer = GatedDeltaNet(c.mixer(), rngs=rngs)
     self.mlp_norm = RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype)
     self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, dtype=c.dtype, rngs=rngs)
 
@@ -127,7 +172,7 @@ class LM(nnx.Module):
       raise ValueError(f"config must be an LMConfig; got {type(config).__name__}")
     self.config = c = config
     self.embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs)
-    self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
+    self.blocks = nnx.List([Block(c, rngs=rngs, layer_type=t) for t in c.layer_types])
     self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype)
     self.head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=c.dtype,
                            param_dtype=c.dtype, rngs=rngs)
@@ -180,7 +225,7 @@ class LM(nnx.Module):
       cache: LMCache.
       slots: int32[B] pool slots (negative = padding row: no cache change, logits meaningless).
       replay: ReplaySSM decode (True) or conventional decode on the checkpoint pool (False).
-      implementation: forwarded to the GDN ops.
+      implementation: forwarded to the GDN / Mamba2 ops.
 
     Returns:
       (logits [B, vocab] float32, cache).

@@ -1,0 +1,50 @@
+"""What the mixers share: the causal depthwise conv1d with its rolling per-slot state, and the
+stand-in cursor a layer's ``prefill`` hands to ``write_state``.
+
+Shapes: x [B, T, C] (prefill) or [B, C] (decode); weight [W, C]; bias [C] or None;
+conv_state [N, W-1, C] per pool slot, oldest input first.
+"""
+import jax
+import jax.numpy as jnp
+
+from replayssm_jax.cursor import ReplayCursor
+
+f32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def prefill(x, weight, bias, conv_state, slots, lengths):
+  """Causal conv over right-padded prompts: out_t = Σ_{i<W} w_i · x_{t−(W−1)+i} (+ bias), zeros
+  before the prompt start. Returns (pre-activation [B, T, C] float32, conv_state) with each live
+  slot's state = its last W-1 real inputs (padding only follows them, so it never leaks back)."""
+  w, t = weight.shape[0], x.shape[1]
+  padded = jnp.pad(x, ((0, 0), (w - 1, 0), (0, 0)))                     # [B, T+W-1, C]
+  wt = weight.astype(f32)
+  out = sum(wt[i] * padded[:, i:i + t].astype(f32) for i in range(w))
+  if bias is not None:
+    out = out + bias.astype(f32)
+  # The W-1 inputs before position lengths[b]: padded rows lengths[b] .. lengths[b] + W-2.
+  tail = jnp.take_along_axis(padded, (lengths[:, None] + jnp.arange(w - 1)[None, :])[:, :, None],
+                             axis=1)
+  put = jnp.where(slots >= 0, slots, conv_state.shape[0])
+  return out, conv_state.at[put].set(tail.astype(conv_state.dtype), mode="drop")
+
+
+def step(x, weight, bias, conv_state, slots):
+  """One token per row: window = [W-1 stored inputs, x]; out = Σ_i w_i · window_i (+ bias).
+  Returns (pre-activation [B, C] float32, conv_state); padding rows (slot < 0) change nothing."""
+  live = slots >= 0
+  hist = conv_state[jnp.where(live, slots, 0)]                           # [B, W-1, C]
+  window = jnp.concatenate([hist, x[:, None, :].astype(hist.dtype)], axis=1)
+  out = jnp.einsum("bwc,wc->bc", window.astype(f32), weight.astype(f32), precision=HIGHEST)
+  if bias is not None:
+    out = out + bias.astype(f32)
+  put = jnp.where(live, slots, conv_state.shape[0])
+  return out, conv_state.at[put].set(window[:, 1:], mode="drop")
+
+
+def stand_in_cursor(bufs) -> ReplayCursor:
+  """A cursor with the pool and ring size of ``bufs`` for ``write_state`` inside a layer's
+  prefill; the model's shared cursor is reset once for all layers by the caller (LM.prefill).
+  R is a power of two, so buffer_len = R gives ring size R."""
+  return ReplayCursor.create(bufs.num_slots, buffer_len=bufs.ring_size)

@@ -1,0 +1,288 @@
+"""Mamba2 mixer (Mamba2 / Nemotron-H style) as a functional NNX module.
+
+Same structure and cache conventions as ``GatedDeltaNet``: the module owns the parameters; the
+decode cache is an explicit pytree passed in and returned (``y, cache = layer.decode(x, cache,
+plan)``), so a whole decode loop jits with the cache donated.
+
+Per token x ∈ R^D (H heads of size P, G groups, state size N, I = H·P, C = I + 2·G·N):
+
+    z, [x | B | C], dt = in_proj(x)                  one fused projection: I + C + H outputs
+    [x | B | C] = silu(causal_depthwise_conv(x|B|C) + conv_bias)   kernel W over time, per channel
+    A = −exp(A_log),  Δ = softplus(dt + dt_bias)     (inside the Mamba2 op: dt_softplus=True)
+    y = Mamba2(x, Δ, A, B, C) + D·x                  mamba2.chunked (prefill) / replay_decode / decode
+    y = out_proj(rmsnorm_g(y · silu(z)) · w)         gated RMSNorm, norm_before_gate=False
+
+The gate is *not* applied inside the op: as in Mamba2 (``RMSNormGated(norm_before_gate=False,
+group_size=I // G)``) and Nemotron-H, y is first multiplied by silu(z), then RMS-normalized over
+each **group** of (H // G)·P channels (heads h with h // (H // G) = g), then scaled by w [I].
+
+Cache (``Mamba2LayerCache``): the rolling conv state ``[N, W-1, C]`` (the last W-1 pre-conv x|B|C
+inputs of each slot) and the layer's ``mamba2.ReplayBuffers``. As for GatedDeltaNet, one state pool
+serves both decode modes (``replay=False`` reads and writes ``bufs.state`` directly and never
+touches the ring); the shared cursor lives in the model cache.
+"""
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from replayssm_jax import _checks
+from replayssm_jax import mamba2
+from replayssm_jax.cursor import ReplayCursor, ReplayPlan
+from replayssm_jax.models import _conv
+
+f32 = jnp.float32
+# Raw dt at padded prompt positions: softplus(PAD_DT + dt_bias) is exactly 0 in float32, so the
+# decay is exp(0·A) = 1 and (with x = B = 0) the state does not change.
+PAD_DT = -1e4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mamba2Config:
+  """Shape and numerics of one Mamba2 mixer.
+
+  Attributes:
+    hidden_size: D, model width.
+    num_heads: H.
+    head_dim: P (inner width I = H·P).
+    num_groups: G (H a multiple of G; head h reads B/C group h // (H // G); the gated RMSNorm
+      normalizes each group separately).
+    state_dim: N.
+    conv_kernel: W, causal depthwise conv length (the conv state keeps W - 1 inputs).
+    rms_eps: epsilon of the gated RMSNorm.
+    dtype: activation and parameter dtype (float32, bfloat16 or float16). Recurrence math is float32.
+  """
+  hidden_size: int
+  num_heads: int
+  head_dim: int
+  num_groups: int = 1
+  state_dim: int = 16
+  conv_kernel: int = 4
+  rms_eps: float = 1e-6
+  dtype: jnp.dtype = jnp.float32
+
+  def __post_init__(self):
+    for name in ("hidden_size", "num_heads", "head_dim", "num_groups", "state_dim", "conv_kernel"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}; expected an int >= 1")
+    if self.conv_kernel < 2:
+      raise ValueError(f"conv_kernel={self.conv_kernel}; expected >= 2 (the conv state holds W - 1 inputs)")
+    if self.num_heads % self.num_groups:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_groups="
+                       f"{self.num_groups} (head h reads group h // (H // G))")
+    if isinstance(self.rms_eps, bool) or not isinstance(self.rms_eps, (int, float)) or not self.rms_eps > 0:
+      raise ValueError(f"rms_eps={self.rms_eps!r}; expected > 0")
+    dtype = jnp.dtype(self.dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      raise ValueError(f"dtype={dtype}; expected float32, bfloat16 or float16")
+    object.__setattr__(self, "dtype", dtype)
+
+  @property
+  def inner_dim(self) -> int:
+    """I = H·P channels of x (and of z)."""
+    return self.num_heads * self.head_dim
+
+  @property
+  def conv_dim(self) -> int:
+    """C = I + 2·G·N channels that go through the conv (x | B | C)."""
+    return self.inner_dim + 2 * self.num_groups * self.state_dim
+
+
+@flax.struct.dataclass
+class Mamba2LayerCache:
+  """Decode cache of one Mamba2 layer over a pool of N slots.
+
+  Attributes:
+    conv_state: [N, W-1, C] the last W-1 pre-conv x|B|C inputs per slot, oldest first (dtype of
+      the layer).
+    bufs: mamba2.ReplayBuffers (checkpoint [N, H, P, N_state] + ring). In conventional mode
+      (``replay=False``) ``bufs.state`` is the state pool and the ring is unused.
+  """
+  conv_state: jax.Array
+  bufs: mamba2.ReplayBuffers
+
+
+class Mamba2(nnx.Module):
+  """Mamba2 mixer: ``[..., D] → [..., D]`` with an explicit decode cache.
+
+  Parameters: ``in_proj`` (D → I + C + H, no bias; output order z | x | B | C | dt),
+  ``conv_weight`` [W, C], ``conv_bias`` [C], ``A_log`` [H], ``D`` [H], ``dt_bias`` [H],
+  ``norm_weight`` [I], ``out_proj`` (I → D, no bias).
+  """
+
+  def __init__(self, config: Mamba2Config, *, rngs: nnx.Rngs):
+    if not isinstance(config, Mamba2Config):
+      raise ValueError(f"config must be a Mamba2Config; got {type(config).__name__}")
+    self.config = c = config
+    h, w = c.num_heads, c.conv_kernel
+    self.in_proj = nnx.Linear(c.hidden_size, c.inner_dim + c.conv_dim + h, use_bias=False,
+                              dtype=c.dtype, param_dtype=c.dtype, rngs=rngs)
+    # Depthwise conv1d init as in PyTorch (fan_in = W): U(-1/sqrt(W), 1/sqrt(W)), bias likewise.
+    bound = 1.0 / math.sqrt(w)
+    self.conv_weight = nnx.Param(
+        jax.random.uniform(rngs.params(), (w, c.conv_dim), f32, -bound, bound).astype(c.dtype))
+    self.conv_bias = nnx.Param(
+        jax.random.uniform(rngs.params(), (c.conv_dim,), f32, -bound, bound).astype(c.dtype))
+    # Mamba2 inits: A = exp(A_log) ∈ [1, 16], dt_bias = softplus⁻¹(dt), dt log-uniform in
+    # [1e-3, 1e-1], D = 1.
+    self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (h,), f32, 1.0, 16.0)))
+    dt = jnp.exp(jax.random.uniform(rngs.params(), (h,), f32, math.log(1e-3), math.log(1e-1)))
+    self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))
+    self.D = nnx.Param(jnp.ones((h,), f32))
+    self.norm_weight = nnx.Param(jnp.ones((c.inner_dim,), c.dtype))
+    self.out_proj = nnx.Linear(c.inner_dim, c.hidden_size, use_bias=False, dtype=c.dtype,
+                               param_dtype=c.dtype, rngs=rngs)
+
+  # ---- cache -------------------------------------------------------------------------------
+
+  def init_cache(self, num_slots: int, cursor: ReplayCursor, *, state_dtype=jnp.float32,
+                 ring_dtype=None) -> Mamba2LayerCache:
+    """Zeroed cache for ``num_slots`` slots; the ring size comes from the (shared) ``cursor``."""
+    c = self.config
+    bufs = mamba2.ReplayBuffers.create(num_slots, cursor, num_heads=c.num_heads, head_dim=c.head_dim,
+                                       num_groups=c.num_groups, state_dim=c.state_dim,
+                                       state_dtype=state_dtype, ring_dtype=ring_dtype)
+    conv_state = jnp.zeros((num_slots, c.conv_kernel - 1, c.conv_dim), c.dtype)
+    return Mamba2LayerCache(conv_state=conv_state, bufs=bufs)
+
+  # ---- shared pieces -----------------------------------------------------------------------
+
+  def _check_x(self, name, x, ndim, what):
+    _checks.expect_float(name, x)
+    _checks.expect_shape(name, x, (None,) * (ndim - 1) + (self.config.hidden_size,), what)
+
+  def _check_cache(self, cache):
+    if not isinstance(cache, Mamba2LayerCache):
+      raise ValueError(f"cache must be a Mamba2LayerCache (from init_cache); got {type(cache).__name__}")
+
+  def _project(self, x):
+    """x [..., D] → (z [..., H, P], xBC [..., C] pre-conv, dt [..., H])."""
+    c = self.config
+    p = self.in_proj(x.astype(c.dtype))
+    z, xbc, dt = jnp.split(p, np.cumsum([c.inner_dim, c.conv_dim]), axis=-1)
+    return z.reshape(*z.shape[:-1], c.num_heads, c.head_dim), xbc, dt
+
+  def _split(self, xbc):
+    """Post-conv x|B|C [..., C] → (x [..., H, P], B, C [..., G, N]) in float32."""
+    c = self.config
+    gn = c.num_groups * c.state_dim
+    xs, B, C = jnp.split(xbc.astype(f32), [c.inner_dim, c.inner_dim + gn], axis=-1)
+    lead = xs.shape[:-1]
+    return (xs.reshape(*lead, c.num_heads, c.head_dim), B.reshape(*lead, c.num_groups, c.state_dim),
+            C.reshape(*lead, c.num_groups, c.state_dim))
+
+  def _ssm_params(self):
+    """(A = −exp(A_log), D, dt_bias), float32 [H]."""
+    return (-jnp.exp(self.A_log[...].astype(f32)), self.D[...].astype(f32),
+            self.dt_bias[...].astype(f32))
+
+  def _output(self, y, z):
+    """y, z [..., H, P] → out_proj(rmsnorm_per_group(y·silu(z))·w) [..., D] (in float32)."""
+    c = self.config
+    lead = y.shape[:-2]
+    g = y.astype(f32) * jax.nn.silu(z.astype(f32))
+    g = g.reshape(*lead, c.num_groups, c.inner_dim // c.num_groups)
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + c.rms_eps)
+    g = g.reshape(*lead, c.inner_dim) * self.norm_weight[...].astype(f32)
+    return self.out_proj(g.astype(c.dtype))
+
+  # ---- prefill -----------------------------------------------------------------------------
+
+  def prefill(self, x, cache: Mamba2LayerCache, slots, lengths, *, chunk_size=64):
+    """Runs right-padded prompts from an empty state and writes their slots' cache.
+
+    Row b holds ``lengths[b]`` real tokens followed by padding. Padding is made inert: from
+    position ``lengths[b]`` on, the op inputs are x = B = C = 0 and raw dt = ``PAD_DT`` (−1e4), so
+    Δ = softplus(dt + dt_bias) = 0 exactly: the decay is e^{0·A} = 1 and Δ·x·Bᵀ = 0, so the final
+    state equals the state after ``lengths[b]`` tokens. The conv only looks back, so padding
+    never reaches a real position.
+
+    The slots' conv state becomes the last W-1 real pre-conv inputs (zeros before the prompt
+    start) and their checkpoint the final state (``mamba2.write_state``). The caller resets the
+    shared cursor windows of ``slots`` (``LM.prefill`` does it once).
+
+    Args:
+      x: [B, T, D] activations.
+      cache: this layer's Mamba2LayerCache.
+      slots: int32[B] pool slot per row (negative = padding row: nothing written).
+      lengths: int32[B] real tokens per row, in [0, T].
+      chunk_size: chunk length of ``mamba2.chunked``.
+
+    Returns:
+      (y [B, T, D] in the layer dtype, zeros at padded positions and on padding rows; cache).
+    """
+    self._check_x("x", x, 3, "([B, T, D])")
+    self._check_cache(cache)
+    bsz, t, _ = x.shape
+    _checks.expect_slots("slots", slots, bsz)
+    _checks.expect_dtype("lengths", lengths, (jnp.int32,))
+    _checks.expect_shape("lengths", lengths, (bsz,), "(int32[B], real tokens per row)")
+    real = (jnp.arange(t)[None, :] < lengths[:, None]) & (slots >= 0)[:, None]   # [B, T]
+
+    z, xbc, dt = self._project(x)
+    conv, conv_state = _conv.prefill(xbc, self.conv_weight[...], self.conv_bias[...],
+                                     cache.conv_state, slots, lengths)
+
+    xs, B, C = self._split(jax.nn.silu(conv))
+    mask = lambda u: jnp.where(real.reshape(real.shape + (1,) * (u.ndim - 2)), u, 0)
+    xs, B, C = map(mask, (xs, B, C))
+    dt = jnp.where(real[..., None], dt.astype(f32), PAD_DT)
+    A, D, dt_bias = self._ssm_params()
+    y, S = mamba2.chunked(xs, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True,
+                          chunk_size=chunk_size)                          # y [B, T, H, P], S f32
+    y = jnp.where(real[..., None], self._output(y, z), 0)
+
+    bufs, _ = mamba2.write_state(cache.bufs, _conv.stand_in_cursor(cache.bufs), slots, S)
+    return y, Mamba2LayerCache(conv_state=conv_state, bufs=bufs)
+
+  # ---- decode ------------------------------------------------------------------------------
+
+  def decode(self, x, cache: Mamba2LayerCache, plan: ReplayPlan, *, replay=True, implementation=None):
+    """One decode token per row.
+
+    Args:
+      x: [B, D] activations of the current token.
+      cache: this layer's Mamba2LayerCache.
+      plan: ReplayPlan from the model's shared ``cursor.plan(slots)``. With ``replay=False`` only
+        ``plan.slots`` is used.
+      replay: True → ``mamba2.replay_decode`` on checkpoint + ring; False → ``mamba2.decode`` on
+        the checkpoint pool.
+      implementation: forwarded to the Mamba2 op (None = fastest available).
+
+    Returns:
+      (y [B, D] in the layer dtype, zeros on padding rows; cache). The caller commits the
+      cursor once for all layers (replay mode only).
+    """
+    self._check_x("x", x, 2, "([B, D])")
+    self._check_cache(cache)
+    if not isinstance(plan, ReplayPlan):
+      raise ValueError(f"plan must be a ReplayPlan from cursor.plan(slots); got {type(plan).__name__}")
+    slots = plan.slots
+    _checks.expect_shape("plan.slots", slots, (x.shape[0],), "(one slot per row of x)")
+    live = slots >= 0
+
+    z, xbc, dt = self._project(x)
+    conv, conv_state = _conv.step(xbc, self.conv_weight[...], self.conv_bias[...],
+                                  cache.conv_state, slots)
+
+    xs, B, C = self._split(jax.nn.silu(conv))
+    A, D, dt_bias = self._ssm_params()
+    dt = dt.astype(f32)
+    if replay:
+      y, bufs = mamba2.replay_decode(xs, dt, A, B, C, cache.bufs, plan, D=D, dt_bias=dt_bias,
+                                     dt_softplus=True, implementation=implementation)
+    else:
+      y, state = mamba2.decode(xs, dt, A, B, C, cache.bufs.state, slots, D=D, dt_bias=dt_bias,
+                               dt_softplus=True, implementation=implementation)
+      bufs = cache.bufs.replace(state=state)
+    y = jnp.where(live[:, None], self._output(y, z), 0)
+    return y, Mamba2LayerCache(conv_state=conv_state, bufs=bufs)
+
+  def __call__(self, x, cache, plan, *, replay=True, implementation=None):
+    """Alias of ``decode``."""
+    return self.decode(x, cache, plan, replay=replay, implementation=implementation)
