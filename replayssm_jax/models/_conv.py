@@ -1,5 +1,6 @@
-"""What the mixers share: the causal depthwise conv1d with its rolling per-slot state, and the
-stand-in cursor a layer's ``prefill`` hands to ``write_state``.
+"""What the mixers share: prompt validation and the mask of real positions, the causal depthwise
+conv1d with its rolling per-slot state, and the stand-in cursor a layer's ``prefill`` hands to
+``write_state``.
 
 Shapes: x [B, T, C] (prefill) or [B, C] (decode); weight [W, C]; bias [C] or None;
 conv_state [N, W-1, C] per pool slot, oldest input first.
@@ -7,10 +8,21 @@ conv_state [N, W-1, C] per pool slot, oldest input first.
 import jax
 import jax.numpy as jnp
 
+from replayssm_jax import _checks
 from replayssm_jax.cursor import ReplayCursor
 
 f32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def real_positions(x, slots, lengths):
+  """Validates a prefill's ``slots``/``lengths`` for x [B, T, D]; returns bool[B, T], True at
+  real positions (t < lengths[b] on live rows; padding rows, slot < 0, are all padding)."""
+  bsz, t = x.shape[:2]
+  _checks.expect_slots("slots", slots, bsz)
+  _checks.expect_dtype("lengths", lengths, (jnp.int32,))
+  _checks.expect_shape("lengths", lengths, (bsz,), "(int32[B], real tokens per row)")
+  return (jnp.arange(t)[None, :] < lengths[:, None]) & (slots >= 0)[:, None]
 
 
 def prefill(x, weight, bias, conv_state, slots, lengths):

@@ -218,12 +218,7 @@ class GatedDeltaNet(nnx.Module):
     """
     self._check_x("x", x, 3, "([B, T, D])")
     self._check_cache(cache)
-    bsz, t, _ = x.shape
-    _checks.expect_slots("slots", slots, bsz)
-    _checks.expect_dtype("lengths", lengths, (jnp.int32,))
-    _checks.expect_shape("lengths", lengths, (bsz,), "(int32[B], real tokens per row)")
-    # Real positions: t < lengths[b] on live rows; padding rows (slot < 0) are all padding.
-    real = (jnp.arange(t)[None, :] < lengths[:, None]) & (slots >= 0)[:, None]   # [B, T]
+    real = _conv.real_positions(x, slots, lengths)                          # [B, T]
 
     qkv, z, b, a = self._project(x)
     conv, conv_state = _conv.prefill(qkv, self.conv_weight[...], None, cache.conv_state, slots,

@@ -218,11 +218,7 @@ class Mamba2(nnx.Module):
     """
     self._check_x("x", x, 3, "([B, T, D])")
     self._check_cache(cache)
-    bsz, t, _ = x.shape
-    _checks.expect_slots("slots", slots, bsz)
-    _checks.expect_dtype("lengths", lengths, (jnp.int32,))
-    _checks.expect_shape("lengths", lengths, (bsz,), "(int32[B], real tokens per row)")
-    real = (jnp.arange(t)[None, :] < lengths[:, None]) & (slots >= 0)[:, None]   # [B, T]
+    real = _conv.real_positions(x, slots, lengths)                          # [B, T]
 
     z, xbc, dt = self._project(x)
     conv, conv_state = _conv.prefill(xbc, self.conv_weight[...], self.conv_bias[...],
