@@ -146,9 +146,9 @@ class GatedDeltaNet(nnx.Module):
     """
     c = self.config
     bufs = gdn.ReplayBuffers.create(num_slots, cursor, num_k_heads=c.num_k_heads,
-                                       num_v_heads=c.num_v_heads, head_k_dim=c.head_k_dim,
-                                       head_v_dim=c.head_v_dim, state_dtype=state_dtype,
-                                       ring_dtype=ring_dtype)
+                                    num_v_heads=c.num_v_heads, head_k_dim=c.head_k_dim,
+                                    head_v_dim=c.head_v_dim, state_dtype=state_dtype,
+                                    ring_dtype=ring_dtype)
     conv_state = jnp.zeros((num_slots, c.conv_kernel - 1, c.conv_dim), c.dtype)
     return GdnLayerCache(conv_state=conv_state, bufs=bufs)
 
