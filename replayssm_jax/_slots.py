@@ -117,3 +117,41 @@ def copy_slots(op: str, bufs, cursor, src, dst, implementation):
       lambda s, d: f"copy_slots: src {s.tolist()} and dst {d.tolist()} overlap", src, dst)
   _dispatch.resolve(op, implementation)
   return _copy_slots(bufs, cursor, src, dst)
+
+
+def check_lengths(lengths, batch: int, num_tokens: int, slots):
+  """Real tokens per row of a verify step: int32[B] in [1, T] on live rows; None = all T real."""
+  if lengths is None:
+    return jnp.full((batch,), num_tokens, jnp.int32)
+  _checks.expect_dtype("lengths", lengths, (jnp.int32,))
+  _checks.expect_shape("lengths", lengths, (batch,), f"(int32[B], real tokens per row in [1, T={num_tokens}])")
+  _checks.check_host(
+      lambda n, s: bool(np.all((n[s >= 0] >= 1) & (n[s >= 0] <= num_tokens))),
+      lambda n, s: f"lengths must lie in [1, {num_tokens}] on live rows; got {n[s >= 0].tolist()}",
+      lengths, slots)
+  return lengths
+
+
+def check_stack(stack, read_index, slots, batch: int, num_tokens: int, what: str):
+  """A conventional-verify state stack [N, T_max, ...] with T_max >= T and its read index int32[B]."""
+  _checks.expect_dtype("stack", stack, BUFFER_DTYPES)
+  _checks.expect_shape("stack", stack, (None,) * 5, what)
+  if stack.shape[1] < num_tokens:
+    raise ValueError(f"stack has shape {list(stack.shape)}: {stack.shape[1]} states per slot; expected "
+                     f"at least T={num_tokens} (one per token) {what}")
+  _checks.expect_slots("slots", slots, batch)
+  _checks.check_slots("slots", slots, stack.shape[0])
+  _checks.expect_dtype("read_index", read_index, (jnp.int32,))
+  _checks.expect_shape("read_index", read_index, (batch,), "(int32[B]: the stack entry holding each row's state)")
+  t_max = stack.shape[1]
+  _checks.check_host(
+      lambda r, s: bool(np.all((r[s >= 0] >= 0) & (r[s >= 0] < t_max))),
+      lambda r, s: f"read_index must lie in [0, {t_max}) on live rows; got {r[s >= 0].tolist()}",
+      read_index, slots)
+
+
+def check_num_tokens(name: str, x, num_tokens: int, what: str) -> None:
+  """``x.shape[1]`` (the token axis of a verify input) must be the plan's T."""
+  if x.shape[1] != num_tokens:
+    raise ValueError(f"{name} has shape {list(x.shape)}: {x.shape[1]} tokens per row; expected "
+                     f"T={num_tokens} {what}")

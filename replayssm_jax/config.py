@@ -134,3 +134,198 @@ def _fold_tile(device_kind: str, head_k_dim: int) -> KernelConfig:
   # layer-step in all); [16-64, 64-128] tiles with 1-4 warps within 2 %, except [64, 128] f32
   # (spills: 0.63 ms).
   return KernelConfig(block_v=32, block_k=64, num_warps=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mamba2 (replayssm_jax/pallas/mamba2_triton.py). State [P, N] per head; programs cover a
+# [block_p, N] state tile of ``heads`` heads of one group. All GPU rules are *untuned* guesses
+# carried over from the GDN calibration until a Mamba2 sweep exists.
+
+
+def _pow2_part(n: int) -> int:
+  """Largest power of two dividing n (P = 80 → 16)."""
+  return n & -n
+
+
+def _half_pow2(n: int) -> int:
+  """Half of n rounded up to a power of two (a CPU tile: two tiles per power-of-two head)."""
+  return max(_next_pow2(n) // 2, 1)
+
+
+def _gcd(a: int, b: int) -> int:
+  while b:
+    a, b = b, a % b
+  return a
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mamba2Config:
+  """One Pallas-Triton Mamba2 launch: P rows per program, N chunk of the rebuild (fold) loop,
+  heads per program (the replay step shares the ring's B_j·C among them), warps, stages."""
+  block_p: int
+  num_warps: int
+  block_n: int | None = None
+  heads: int = 1
+  num_stages: int = 1
+
+  def __post_init__(self):
+    if not _pow2(self.block_p):
+      raise ValueError(f"block_p={self.block_p!r}; expected a power of two (Triton tile)")
+    if self.block_n is not None and not _pow2(self.block_n):
+      raise ValueError(f"block_n={self.block_n!r}; expected None or a power of two (Triton tile)")
+    if not isinstance(self.heads, int) or self.heads < 1:
+      raise ValueError(f"heads={self.heads!r}; expected an int >= 1")
+    if not _pow2(self.num_warps) or self.num_warps > 32:
+      raise ValueError(f"num_warps={self.num_warps!r}; expected a power of two <= 32")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages!r}; expected an int >= 1")
+
+  def fit(self, head_dim: int, state_dim: int, heads_per_group: int = 1) -> "Mamba2Config":
+    """Tiles clipped to the head: block_p divides P (a power of two, so P = 80 gets 16),
+    block_n ≤ N, heads divides H/G (a program never straddles two groups)."""
+    block_n = state_dim if self.block_n is None else min(self.block_n, state_dim)
+    return dataclasses.replace(self, block_p=min(self.block_p, _pow2_part(head_dim)),
+                               block_n=block_n, heads=_gcd(self.heads, heads_per_group))
+
+  def override(self, **changes) -> "Mamba2Config":
+    return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mamba2ReplayConfig:
+  """The replay step (flush fold fused in) and its compute route."""
+  step: Mamba2Config
+  route: str
+
+  def __post_init__(self):
+    if self.route not in ROUTES:
+      raise ValueError(f"route={self.route!r}; expected one of {ROUTES}")
+
+
+def mamba2_decode_config(*, device_kind: str, state_dtype, head_dim: int, state_dim: int,
+                         batch: int) -> Mamba2Config:
+  """Conventional Mamba2 decode, grid (P/BP, H, B), state tile [BP, N]."""
+  del batch
+  if _is_cpu(device_kind):
+    # Interpret mode: speed is irrelevant; two P tiles per head cover the tile indexing.
+    cfg = Mamba2Config(block_p=_half_pow2(head_dim), num_warps=4)
+  elif _is_f32(state_dtype):
+    # *untuned*: the GDN f32 optimum (tile [16, 128] in 2 warps, 87 % of the copy ceiling).
+    cfg = Mamba2Config(block_p=16, num_warps=2)
+  else:
+    # *untuned*: the GDN bf16 optimum (tile [32, 128] in 4 warps, 82 %).
+    cfg = Mamba2Config(block_p=32, num_warps=4)
+  return cfg.fit(head_dim, state_dim)
+
+
+def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_dim: int,
+                         num_heads: int, num_groups: int, batch: int, buffer_len: int,
+                         route: str = "auto") -> Mamba2ReplayConfig:
+  """Replay step, grid (P/BP, H/heads, B); ``route`` "auto" picks the route."""
+  del buffer_len
+  # Output-only never builds S (GDN, H200, B=256, L=16: 0.22 ms vs ≥ 0.39 ms reconstructing).
+  route = "output_only" if route == "auto" else route
+  group = num_heads // num_groups
+  if _is_cpu(device_kind):
+    # Interpret mode: two P tiles, two N chunks and two heads per program cover the indexing.
+    cfg = Mamba2Config(block_p=_half_pow2(head_dim), block_n=_half_pow2(state_dim), heads=2,
+                       num_warps=4)
+  elif route == "output_only":
+    # *untuned*: [32, 128] checkpoint tiles (GDN's best replay tile had 64×64 = the same 4096
+    # elements); 4 heads per program share B_j·C; the flush fold walks N in chunks of 32 so its
+    # [32, 32] accumulator stays small (it is compiled into every program).
+    cfg = Mamba2Config(block_p=32, block_n=32, heads=4, num_warps=2)
+  else:
+    # *untuned*: reconstruct rebuilds [BP, block_n] chunks for every row; nothing is shared
+    # between heads, so one head per program keeps the grid wide.
+    cfg = Mamba2Config(block_p=32, block_n=32, heads=1, num_warps=2)
+  cfg = cfg.fit(head_dim, state_dim, group)
+  if not _is_cpu(device_kind) and batch * (num_heads // cfg.heads) * (head_dim // cfg.block_p) < 2 * 132:
+    # *untuned*: fewer than two programs per H200 SM leaves SMs idle; one head per program.
+    cfg = cfg.override(heads=1)
+  return Mamba2ReplayConfig(step=cfg, route=route)
+
+
+def mamba2_materialize_config(*, device_kind: str, head_dim: int, state_dim: int) -> Mamba2Config:
+  """Materialize rebuilds every row's state, grid (P/BP, H, B) (not on the decode hot path)."""
+  if _is_cpu(device_kind):
+    # Interpret mode: two P tiles and two N chunks cover the indexing.
+    return Mamba2Config(block_p=_half_pow2(head_dim), block_n=_half_pow2(state_dim),
+                        num_warps=4).fit(head_dim, state_dim)
+  # *untuned*: the replay step's rebuild chunk.
+  return Mamba2Config(block_p=32, block_n=32, num_warps=2).fit(head_dim, state_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# GDN speculative verify (replayssm_jax/pallas/gdn_verify_triton.py). GPU rules are *untuned*
+# guesses from the decode calibration until an H200 sweep of bench/verify_decode.py exists.
+
+
+def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
+                  num_k_heads: int, batch: int, buffer_len: int, num_tokens: int) -> ReplayConfig:
+  """Verify step, grid (V/BV, Hk, B), T tokens per row; then the replay fold pass."""
+  base = replay_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
+                       head_v_dim=head_v_dim, num_k_heads=num_k_heads, batch=batch,
+                       buffer_len=buffer_len)
+  if _is_cpu(device_kind):
+    # Interpret mode: the replay step's tiles (two V tiles, two K chunks cover the indexing).
+    step = base.step
+  elif num_tokens <= 4:
+    # *untuned*: each program keeps 2T checkpoint readouts (S_c·k_i, S_c·q_i) and T corrected values
+    # of BV rows live; a [32, 64] tile in 2 warps halves the replay step's tile for that.
+    step = KernelConfig(block_v=32, num_warps=2, block_k=64).fit(head_v_dim, head_k_dim)
+  else:
+    # *untuned*: T = 5..8 doubles the live vectors again: [16, 64] tiles, 4 warps for the 2T reductions.
+    step = KernelConfig(block_v=16, num_warps=4, block_k=64).fit(head_v_dim, head_k_dim)
+  # A row's window grows by (T + 1) / 2 tokens per step on average (random accepts) and flushes once
+  # it exceeds L - 1 - T: about B (T + 1) / (2 (L - T)) flushing rows per step; twice that many row
+  # slots keeps one row per fold program, and rows beyond loop, never drop.
+  flushing = -(-batch * (num_tokens + 1) // (2 * max(buffer_len - num_tokens, 1)))
+  fold_rows = min(batch, _next_pow2(2 * flushing))
+  return ReplayConfig(step=step, route="output_only", fold=base.fold, fold_rows=fold_rows)
+
+
+def verify_conventional_config(*, device_kind: str, state_dtype, head_k_dim: int,
+                               head_v_dim: int, batch: int) -> KernelConfig:
+  """Conventional verify, grid (V/BV, Hv, B): one [BV, K] state tile stepped T times in registers."""
+  # *untuned*: the conventional decode's tiles; the tile is read once and written T times, so the
+  # decode's bandwidth-bound optimum is the best prior.
+  return decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
+                       head_v_dim=head_v_dim, batch=batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mamba2 speculative verify (replayssm_jax/pallas/mamba2_verify_triton.py). GPU rules are *untuned*
+# guesses from the Mamba2 replay step until an H200 sweep exists.
+
+
+def mamba2_verify_config(*, device_kind: str, state_dtype, head_dim: int, state_dim: int,
+                         num_heads: int, num_groups: int, batch: int, buffer_len: int,
+                         num_tokens: int) -> Mamba2Config:
+  """Verify step (output-only, flush fold fused in), grid (P/BP, H/heads, B), T tokens per row."""
+  del state_dtype, buffer_len
+  if _is_cpu(device_kind):
+    # Interpret mode: two P tiles, two N chunks (fold) and two heads per program cover the indexing.
+    cfg = Mamba2Config(block_p=_half_pow2(head_dim), block_n=_half_pow2(state_dim), heads=2,
+                       num_warps=4)
+  elif num_tokens <= 4:
+    # *untuned*: the output-only replay step's tile ([32, 128] checkpoint, 4 heads sharing B_w·C_i).
+    cfg = Mamba2Config(block_p=32, block_n=32, heads=4, num_warps=2)
+  else:
+    # *untuned*: T = 5..8 keeps T Δx vectors and T window products live per head: 2 heads per program.
+    cfg = Mamba2Config(block_p=32, block_n=32, heads=2, num_warps=2)
+  cfg = cfg.fit(head_dim, state_dim, num_heads // num_groups)
+  if not _is_cpu(device_kind) and batch * (num_heads // cfg.heads) * (head_dim // cfg.block_p) < 2 * 132:
+    # *untuned*: fewer than two programs per H200 SM leaves SMs idle; one head per program.
+    cfg = cfg.override(heads=1)
+  return cfg
+
+
+def mamba2_verify_conventional_config(*, device_kind: str, state_dtype, head_dim: int,
+                                      state_dim: int, batch: int, num_tokens: int) -> Mamba2Config:
+  """Conventional verify, grid (P/BP, H, B): one [BP, N] state tile stepped T times in registers."""
+  del num_tokens
+  # *untuned*: the conventional decode's tiles; the tile is read once and written T times, so the
+  # decode's bandwidth-bound optimum is the best prior.
+  return mamba2_decode_config(device_kind=device_kind, state_dtype=state_dtype, head_dim=head_dim,
+                              state_dim=state_dim, batch=batch)

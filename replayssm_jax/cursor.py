@@ -194,3 +194,51 @@ class ReplayCursor:
     zeros = jnp.zeros(slots.shape, jnp.int32)
     return self.replace(base=self.base.at[idx].set(zeros, mode="drop"),
                         count=self.count.at[idx].set(zeros, mode="drop"))
+
+
+def count_accepted(accepted: jax.Array, slots: jax.Array | None = None) -> jax.Array:
+  """Accepted counts for ``commit`` from a per-token acceptance mask of linear draft chains.
+
+  A verify step replays one contiguous chain per row, so token i can only be accepted together with
+  every token before it, and token 0 (the emitted token) always is. A mask that is not such a
+  prefix — tree / EAGLE top-k drafts whose accepted path skips a sibling — is refused: ValueError
+  on concrete arrays (always) and inside ``jax.jit`` in checked mode. Without checked mode inside
+  jit the length of the leading accepted run is returned, so a bad mask never commits a gap.
+
+  Args:
+    accepted: bool[B, T], True where the token was accepted.
+    slots: optional int32[B]; rows with a negative slot (padding) are not checked.
+
+  Returns:
+    int32[B] in [1, T] (``num_accepted`` for ``cursor.commit``).
+  """
+  _checks.expect_dtype("accepted", accepted, (jnp.bool_,))
+  _checks.expect_shape("accepted", accepted, (None, None), "(bool[B, T] acceptance mask)")
+  if slots is not None:
+    _checks.expect_slots("slots", slots, accepted.shape[0])
+
+  def problems(a, s):
+    rows = np.ones(a.shape[0], bool) if s is None else s >= 0
+    a = a[rows]
+    if not np.all(a[:, 0]):
+      return f"accepted[:, 0] must be True on live rows (token 0 always commits); got {a.astype(int).tolist()}"
+    gap = np.any(a[:, 1:] & ~a[:, :-1], axis=1)
+    if np.any(gap):
+      return (f"accepted must be a prefix on every live row (linear draft chains; tree drafts are not "
+              f"supported); rows {np.flatnonzero(rows)[gap].tolist()} accept a token after a rejected one: "
+              f"{a[gap].astype(int).tolist()}")
+    return None
+
+  def host(a, *s):
+    msg = problems(np.asarray(a), np.asarray(s[0]) if s else None)
+    if msg:
+      raise ValueError(msg)
+
+  arrays = (accepted,) if slots is None else (accepted, slots)
+  if _checks._is_concrete(*arrays):
+    host(*arrays)
+  elif _checks.checks_enabled():
+    jax.debug.callback(host, *arrays)
+  # Length of the leading run of accepted tokens (at least token 0).
+  run = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
+  return jnp.maximum(run, 1).astype(jnp.int32)

@@ -556,11 +556,11 @@ def test_replay_decode_donation_aliases_every_buffer():
   assert aliases == {0: 1, 1: 2, 2: 3, 3: 4}, aliases
 
 
-def test_pallas_is_not_available_yet():
+def test_unavailable_implementation_raises():
   cursor, bufs, args = _small_inputs()
   plan = cursor.plan(jnp.array([2, 0], i32))
-  with pytest.raises(NotImplementedError, match="pallas_triton"):
-    _call_replay(args, bufs, plan, implementation="pallas_triton")
+  with pytest.raises(NotImplementedError, match="pallas_mosaic"):
+    _call_replay(args, bufs, plan, implementation="pallas_mosaic")
   with pytest.raises(NotImplementedError):
     rs.mamba2.decode(args["x"], args["dt"], args["A"], args["B"], args["C"], bufs.state, plan.slots,
                      implementation="pallas_mosaic")

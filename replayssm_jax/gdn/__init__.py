@@ -1,7 +1,8 @@
-"""Gated DeltaNet: references, conventional decode and ReplaySSM decode."""
+"""Gated DeltaNet: references, conventional decode and verify, ReplaySSM decode and verify."""
 from replayssm_jax.gdn.buffers import ReplayBuffers
-from replayssm_jax.gdn.ops import copy_slots, decode, materialize, replay_decode, write_state
+from replayssm_jax.gdn.ops import (copy_slots, decode, materialize, replay_decode, replay_verify,
+                                   verify_conventional, write_state)
 from replayssm_jax.gdn.reference import chunked, recurrent
 
 __all__ = ["ReplayBuffers", "chunked", "copy_slots", "decode", "materialize", "recurrent",
-           "replay_decode", "write_state"]
+           "replay_decode", "replay_verify", "verify_conventional", "write_state"]

@@ -1,10 +1,15 @@
 """Gated DeltaNet replay buffers: the checkpoint pool and the input ring of one layer."""
+from typing import Literal
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from replayssm_jax import _slots
 from replayssm_jax.cursor import ReplayCursor
+
+
+FOLDS = ("u", "exact")
 
 
 @flax.struct.dataclass
@@ -16,16 +21,32 @@ class ReplayBuffers:
     ring_k: [N, Hk, R, K] keys, stored once per key head (ring dtype).
     ring_u: [N, Hv, R, V] corrected values ``u = β(v − α S k)`` (ring dtype).
     ring_g: [N, Hv, R] float32 log decays.
+    ring_v: [N, Hv, R, V] raw values (ring dtype); ``fold="exact"`` only, else None.
+    ring_beta: [N, Hv, R] float32 raw write strengths β; ``fold="exact"`` only, else None.
+    fold: how a flush folds the window into the checkpoint (static):
+      "u": from the cached corrected values, ``S = e^{Σg} S_c + Σ_j e^{Σ_{i>j} g_i} u_j k_jᵀ``. The
+        u's were computed from a replayed state, so their rounding (storage dtype, the verify
+        triangular solve) is folded open-loop into the checkpoint.
+      "exact": by the delta-rule recurrence itself over the raw (k, v, g, β) of the window, in the
+        step order of ``gdn.recurrent`` (closed loop: the checkpoint is the conventional decode's
+        state up to the ring dtype of v and k). Outputs still use the u's (one-shot, never folded).
   """
   state: jax.Array
   ring_k: jax.Array
   ring_u: jax.Array
   ring_g: jax.Array
+  ring_v: jax.Array | None = None
+  ring_beta: jax.Array | None = None
+  fold: str = flax.struct.field(pytree_node=False, default="u")
 
   @classmethod
   def create(cls, num_slots: int, cursor: ReplayCursor, *, num_k_heads: int, num_v_heads: int,
-             head_k_dim: int, head_v_dim: int, state_dtype=jnp.float32, ring_dtype=None) -> "ReplayBuffers":
-    """Zeroed buffers. ``ring_dtype=None`` stores the ring in the state dtype."""
+             head_k_dim: int, head_v_dim: int, state_dtype=jnp.float32, ring_dtype=None,
+             fold: Literal["u", "exact"] = "u") -> "ReplayBuffers":
+    """Zeroed buffers. ``ring_dtype=None`` stores the ring in the state dtype.
+
+    ``fold="exact"`` adds ``ring_v`` and ``ring_beta`` (raw inputs) to the ring; see the class doc.
+    """
     state_dtype, ring_dtype = _slots.check_create(
         num_slots, cursor, {"num_k_heads": num_k_heads, "num_v_heads": num_v_heads,
                             "head_k_dim": head_k_dim, "head_v_dim": head_v_dim},
@@ -33,12 +54,18 @@ class ReplayBuffers:
     if num_v_heads % num_k_heads:
       raise ValueError(f"num_v_heads={num_v_heads} is not a multiple of num_k_heads={num_k_heads} "
                        f"(GQA needs Hv = r·Hk)")
+    if fold not in FOLDS:
+      raise ValueError(f"fold={fold!r}; expected one of {FOLDS}")
     r = cursor.ring_size
+    exact = fold == "exact"
     return cls(
         state=jnp.zeros((num_slots, num_v_heads, head_v_dim, head_k_dim), state_dtype),
         ring_k=jnp.zeros((num_slots, num_k_heads, r, head_k_dim), ring_dtype),
         ring_u=jnp.zeros((num_slots, num_v_heads, r, head_v_dim), ring_dtype),
         ring_g=jnp.zeros((num_slots, num_v_heads, r), jnp.float32),
+        ring_v=jnp.zeros((num_slots, num_v_heads, r, head_v_dim), ring_dtype) if exact else None,
+        ring_beta=jnp.zeros((num_slots, num_v_heads, r), jnp.float32) if exact else None,
+        fold=fold,
     )
 
   @property

@@ -2,7 +2,8 @@
 
 Shapes (decode, one token per row): q, k [B, Hk, K]; v [B, Hv, V]; g, beta [B, Hv];
 pool / checkpoint [N, Hv, V, K]; slots int32[B] (negative = padding row); output [B, Hv, V].
-Value head h reads key head ``h // (Hv // Hk)``.
+Value head h reads key head ``h // (Hv // Hk)``. Verify ops (speculative, T tokens per row) put T
+after B: q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; output [B, T, Hv, V].
 """
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,9 @@ import jax.numpy as jnp
 from replayssm_jax import _checks
 from replayssm_jax import _dispatch
 from replayssm_jax import _slots
+from replayssm_jax.gdn import reference
 from replayssm_jax.gdn import xla
-from replayssm_jax.gdn.buffers import ReplayBuffers
+from replayssm_jax.gdn.buffers import FOLDS, ReplayBuffers
 
 ROUTES = ("auto", "reconstruct", "output_only")
 
@@ -74,6 +76,13 @@ def _check_buffers(bufs):
     raise ValueError(f"bufs must be gdn.ReplayBuffers; got {type(bufs).__name__}")
 
 
+def _require_u_layout(op, bufs):
+  """The Pallas-Triton kernels read the u ring only (auto falls back to XLA on this error)."""
+  if bufs.fold != "u":
+    raise NotImplementedError(f"{op}: pallas_triton supports buffers with fold='u' only; these have "
+                              f"fold={bufs.fold!r}")
+
+
 def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", implementation=None):
   """ReplaySSM GDN decode, one token per row (``plan.num_tokens == 1``).
 
@@ -111,6 +120,7 @@ def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", imp
     return _jit_xla_replay(q, k, v, g, beta, bufs, plan, scale=scale, route=r)
 
   def run_triton():
+    _require_u_layout("gdn.replay_decode", bufs)
     from replayssm_jax.pallas import gdn_triton
     return gdn_triton.replay_decode(q, k, v, g, beta, bufs, plan, scale=scale, route=route)
 
@@ -139,6 +149,7 @@ def materialize(bufs, cursor, slots, *, implementation=None):
     return _jit_xla_materialize(bufs, slots, base, count)
 
   def run_triton():
+    _require_u_layout("gdn.materialize", bufs)
     from replayssm_jax.pallas import gdn_triton
     return gdn_triton.materialize(bufs, slots, base, count)
 
@@ -168,3 +179,124 @@ def copy_slots(bufs, cursor, src, dst, *, implementation=None):
   """
   _check_buffers(bufs)
   return _slots.copy_slots("gdn.copy_slots", bufs, cursor, src, dst, implementation)
+
+
+# ------------------------------------------------------------------------------------------------
+# Speculative verify: T tokens per row (token 0 = the emitted token, then T - 1 drafts).
+
+
+def _check_verify_inputs(q, k, v, g, beta, *, num_k_heads, num_v_heads, head_k_dim, head_v_dim):
+  """Shapes [B, T, ...] of a verify step against the state geometry (None: not checked); returns B."""
+  b, hv, kd, vd = reference._check_inputs(q, k, v, g, beta, None)
+  expected = {"key heads (q.shape[2])": (q.shape[2], num_k_heads), "K (q.shape[3])": (kd, head_k_dim),
+              "value heads (v.shape[2])": (hv, num_v_heads), "V (v.shape[3])": (vd, head_v_dim)}
+  for what, (got, want) in expected.items():
+    if want is not None and got != want:
+      raise ValueError(f"{what} is {got}; the state has {want} (q, k [B, T, Hk, K]; v [B, T, Hv, V])")
+  return b
+
+
+def replay_verify(q, k, v, g, beta, bufs, plan, *, lengths=None, scale=None, fold=None,
+                  implementation=None):
+  """ReplaySSM GDN speculative verify: T = ``plan.num_tokens`` tokens per row in one step.
+
+  Token 0 is the token the model emitted (it always commits); tokens 1..T-1 are drafts. Outputs
+  are replayed from the checkpoint through the committed window, then through the T tokens with
+  one T×T unit lower-triangular solve for their corrected values (GDN Alg. 8). Every token is
+  appended to the ring past the live window (``plan.write_index(i)``); flushing rows fold the
+  committed window and token 0 only — drafts are never folded — in the same program. Afterwards
+  ``cursor.commit(plan, num_accepted)`` keeps the accepted prefix; that is the whole rollback.
+  With T = 1 this is ``replay_decode``.
+
+  Args:
+    q, k: [B, T, Hk, K]; v: [B, T, Hv, V]; g: [B, T, Hv] log decay; beta: [B, T, Hv].
+    bufs: gdn.ReplayBuffers, updated in place under donation.
+    plan: ReplayPlan from ``cursor.plan(slots, num_tokens=T)``.
+    lengths: optional int32[B] real tokens per row in [1, T] (None: all T). Lanes past a row's
+      length are padding: zero output, no ring write, their inputs (NaN included) never read.
+      Commit at most ``lengths`` tokens per row.
+    scale: query scale, default K^-0.5.
+    fold: how flushing rows fold, "u" or "exact" (see ``ReplayBuffers``); None = ``bufs.fold``.
+      "exact" needs buffers created with ``fold="exact"``; "u" works with both layouts.
+    implementation: None (fastest available), "xla" or "pallas_triton" (fold="u" buffers only;
+      None falls back to XLA for the exact layout).
+
+  Returns:
+    (o [B, T, Hv, V] in v's dtype, zeros on padding rows and padded lanes; bufs).
+  """
+  _check_buffers(bufs)
+  b = _check_verify_inputs(q, k, v, g, beta, num_k_heads=bufs.num_k_heads,
+                           num_v_heads=bufs.num_v_heads, head_k_dim=bufs.head_k_dim,
+                           head_v_dim=bufs.head_v_dim)
+  _slots.check_plan(plan, bufs, b, "q")
+  _slots.check_num_tokens("q", q, plan.num_tokens, "([B, T, Hk, K], T = plan.num_tokens)")
+  fold = bufs.fold if fold is None else fold
+  if fold not in FOLDS:
+    raise ValueError(f"fold={fold!r}; expected None or one of {FOLDS}")
+  if fold == "exact" and bufs.fold != "exact":
+    raise ValueError("fold='exact' needs the raw inputs in the ring; these bufs have fold='u' "
+                     "(create them with gdn.ReplayBuffers.create(..., fold='exact'))")
+  lengths = _slots.check_lengths(lengths, b, plan.num_tokens, plan.slots)
+  scale = _resolve_scale(scale, bufs.head_k_dim)
+
+  def run_xla():
+    return _jit_xla_verify(q, k, v, g, beta, bufs, plan, lengths, scale=scale, fold=fold)
+
+  def run_triton():
+    _require_u_layout("gdn.replay_verify", bufs)   # fold="exact" needs exact-layout buffers
+    from replayssm_jax.pallas import gdn_verify_triton
+    return gdn_verify_triton.replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=scale)
+
+  return _dispatch.run("gdn.replay_verify", implementation,
+                       {"xla": run_xla, "pallas_triton": run_triton})
+
+
+_jit_xla_verify = jax.jit(xla.replay_verify, static_argnames=("scale", "fold"))
+
+
+def verify_conventional(q, k, v, g, beta, stack, slots, read_index, *, lengths=None, scale=None,
+                        implementation=None):
+  """Conventional speculative verify (the baseline engines run without ReplaySSM).
+
+  Each row reads its current state ``stack[slot, read_index]``, steps it through its T tokens and
+  writes the state after token i to ``stack[slot, i]``: T full states written per row and step.
+  Rollback = choose the state at the accepted index: the next step reads
+  ``read_index = num_accepted - 1``. After prefill, put the state at ``stack[slot, 0]`` with
+  read index 0. Reading and writing the same stack is safe (all reads happen first).
+
+  Args:
+    q, k: [B, T, Hk, K]; v: [B, T, Hv, V]; g: [B, T, Hv] log decay; beta: [B, T, Hv].
+    stack: [N, T_max, Hv, V, K] states per slot, T_max >= T (float32 / bfloat16 / float16),
+      updated in place under donation.
+    slots: int32[B]; negative = padding row (zero output, nothing written).
+    read_index: int32[B] in [0, T_max): the stack entry holding each row's current state.
+    lengths: optional int32[B] real tokens per row in [1, T] (None: all T); padded lanes output
+      zeros and write no state.
+    scale: query scale, default K^-0.5.
+    implementation: None (fastest available), "xla" or "pallas_triton".
+
+  Returns:
+    (o [B, T, Hv, V] in v's dtype, stack).
+  """
+  _checks.expect_shape("q", q, (None,) * 4, "([B, T, Hk, K])")
+  b, t = q.shape[:2]
+  _slots.check_stack(stack, read_index, slots, b, t, "([N, T_max, Hv, V, K])")
+  _, _, hv, vd, kd = stack.shape
+  _check_verify_inputs(q, k, v, g, beta, num_k_heads=None, num_v_heads=hv,
+                       head_k_dim=kd, head_v_dim=vd)
+  lengths = _slots.check_lengths(lengths, b, t, slots)
+  scale = _resolve_scale(scale, kd)
+
+  def run_xla():
+    return _jit_xla_verify_conventional(q, k, v, g, beta, stack, slots, read_index, lengths, scale=scale)
+
+  def run_triton():
+    from replayssm_jax.pallas import gdn_verify_triton
+    return gdn_verify_triton.verify_conventional(q, k, v, g, beta, stack, slots, read_index, lengths,
+                                                 scale=scale)
+
+  return _dispatch.run("gdn.verify_conventional", implementation,
+                       {"xla": run_xla, "pallas_triton": run_triton})
+
+
+_jit_xla_verify_conventional = jax.jit(xla.verify_conventional, static_argnames=("scale",))

@@ -9,6 +9,12 @@ import contextlib
 import contextvars
 
 import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plt
+# Imported up front: its first (lazy) import, during the first Pallas lowering, registers a
+# trace-context config option, which changes every jit cache key and recompiles each program
+# traced before it once (the first kernel compiled twice; ~15 s per interpreted verify kernel).
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 
 _force_lowering = contextvars.ContextVar("replayssm_force_lowering", default=False)
 
@@ -54,3 +60,18 @@ def require_pow2(op: str, **sizes: int) -> None:
     raise NotImplementedError(
         f"{op}: the Pallas-Triton kernels need power-of-two sizes for every load and store; got "
         f"{listed} (use implementation='xla', or None to fall back automatically)")
+
+
+def load_window(ref, inside_rows):
+  """Masked float32 load of a ring tile [R, X]: rows outside the window are never read (zeros).
+
+  Ring entries outside a window may be stale or NaN, so they are masked at load time rather
+  than multiplied by zero.
+  """
+  mask = jnp.broadcast_to(inside_rows[:, None], ref.shape)
+  return plt.load(ref, mask=mask, other=jnp.zeros((), ref.dtype)).astype(jnp.float32)
+
+
+def load_entry(ref, live):
+  """Masked load of one ring entry (a vector): zeros unless ``live``."""
+  return plt.load(ref, mask=jnp.broadcast_to(live, ref.shape), other=jnp.zeros((), ref.dtype))

@@ -68,12 +68,6 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref,
     pool_out_ref[s, h, tile, :] = S.astype(pool_out_ref.dtype)
 
 
-def _load_window(ref, inside_rows):
-  """Masked load of a ring tile [R, X]: rows outside the window are never read (zeros)."""
-  mask = jnp.broadcast_to(inside_rows[:, None], ref.shape)
-  return plt.load(ref, mask=mask, other=jnp.zeros((), ref.dtype)).astype(f32)
-
-
 def _accumulate_window(S, weights, inside, k_at, u_at, ring_size):
   """S + Σ_p w_p u_p k_pᵀ over the ring positions p inside the window, in float32.
 
@@ -87,8 +81,8 @@ def _accumulate_window(S, weights, inside, k_at, u_at, ring_size):
   loads independent so they issue together.
   """
   if ring_size >= 16 and S.shape[0] * S.shape[1] <= 32 * 128:
-    U = _load_window(u_at(slice(None)), inside)                   # [R, BV]
-    Kr = _load_window(k_at(slice(None)), inside)                  # [R, BK]
+    U = common.load_window(u_at(slice(None)), inside)                   # [R, BV]
+    Kr = common.load_window(k_at(slice(None)), inside)                  # [R, BK]
     return S + jnp.dot((weights[:, None] * U).T, Kr, precision=lax.Precision.HIGHEST)
   pos = lax.broadcasted_iota(jnp.int32, (ring_size,), 0)
   for p in range(ring_size):
@@ -96,15 +90,10 @@ def _accumulate_window(S, weights, inside, k_at, u_at, ring_size):
     w = jnp.sum(jnp.where(at_p, weights, 0.0))
     live = jnp.sum(jnp.where(at_p & inside, 1, 0)) > 0
     i = jnp.int32(p)  # an array index: interpret mode cannot discharge a Python int in a masked load
-    u = _load_entry(u_at(i), live).astype(f32)
-    k = _load_entry(k_at(i), live).astype(f32)
+    u = common.load_entry(u_at(i), live).astype(f32)
+    k = common.load_entry(k_at(i), live).astype(f32)
     S = S + (w * u)[:, None] * k[None, :]
   return S
-
-
-def _load_entry(ref, live):
-  """Masked load of one ring entry (a vector): zeros unless ``live``."""
-  return plt.load(ref, mask=jnp.broadcast_to(live, ref.shape), other=jnp.zeros((), ref.dtype))
 
 
 def _sum_chunks(parts):
@@ -136,7 +125,7 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
     _, inside = window_offsets((ring_size,), base, count, ring_size)
     if route == "output_only":
       # Key ring read once per key head: (k_j·k) and (k_j·q) serve all r value heads.
-      rk = [_load_window(ring_k_ref.at[s, hk, :, c], inside) for c in chunks]   # [R, block_k]
+      rk = [common.load_window(ring_k_ref.at[s, hk, :, c], inside) for c in chunks]   # [R, block_k]
       rkk = _sum_chunks(jnp.sum(r * kc[None, :], axis=1) for r, kc in zip(rk, ks))
       rkq = _sum_chunks(jnp.sum(r * qc[None, :], axis=1) for r, qc in zip(rk, qs))
     gs = []
@@ -152,7 +141,7 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
           Sc = state_ref[s, h, tile, c].astype(f32)               # [BV, block_k]
           Sck = Sck + jnp.sum(Sc * kc[None, :], axis=1)
           Scq = Scq + jnp.sum(Sc * qc[None, :], axis=1)
-        ru = _load_window(ring_u_ref.at[s, h, :, tile], inside)   # [R, BV]
+        ru = common.load_window(ring_u_ref.at[s, h, :, tile], inside)   # [R, BV]
         Sk = decay * Sck + jnp.sum((w * rkk)[:, None] * ru, axis=0)
         Sq = decay * Scq + jnp.sum((w * rkq)[:, None] * ru, axis=0)
       else:
@@ -283,11 +272,18 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, route, cfg, interpret
       + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.ring_k, bufs.ring_u, bufs.ring_g)],
       aliases={9: 1, 10: 2, 11: 3}, cfg=step, name="replayssm_gdn_replay_step", interpret=interpret)
   bufs = bufs.replace(ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+  return o, fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
+
+
+def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
+  """The flush pass after a step kernel appended token 0: flushing rows fold
+  ``plan.fold_length()`` entries (window + token 0) into their checkpoint; returns the buffers."""
   # Compact the flushing rows to the front so the fold grid is sized for them, not for the batch.
+  batch = plan.slots.shape[0]
   rows = jnp.nonzero(plan.flush, size=batch, fill_value=0)[0].astype(jnp.int32)
   state = _fold(bufs, plan.slots, plan.base, plan.fold_length(), rows, jnp.sum(plan.flush),
                 cfg=cfg.fold, row_slots=cfg.fold_rows, interpret=interpret, into_checkpoint=True)
-  return o, bufs.replace(state=state)
+  return bufs.replace(state=state)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))

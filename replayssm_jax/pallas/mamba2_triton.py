@@ -1,0 +1,386 @@
+"""Mamba2 decode kernels in Pallas with the Triton lowering (interpreted on CPU).
+
+Three kernels, each ``kernel → builder → public wrapper`` (the wrappers are what mamba2/ops.py
+calls):
+
+* ``decode``: the conventional step (selective_state_update). Grid (P/BP, H, B); a program reads
+  the [BP, N] state tile of its row's slot, steps it once and writes it back in place.
+* ``replay_decode``: one launch, grid (P/BP, H/hp, B); a program serves ``hp`` heads of one group.
+  It reads the checkpoint tile, replays the window ``[base, base + count)`` of the ring, writes y
+  and appends (Δx, B, ΔA) at ring index ``base + count``. Routes:
+    output_only  S_{t-1} C = e^G (S_c C) + Σ_j w_j (B_j·C) Δx_j; the products B_j·C are computed
+                 once per program and shared by its heads; S is never built.
+    reconstruct  S_{t-1} = e^G S_c + Σ_j w_j Δx_j B_jᵀ is rebuilt in [BP, block_n] chunks.
+  Flushing rows (``plan.flush``) write S_t = a S_{t-1} + Δx_t B_tᵀ (window plus this token) to the
+  checkpoint in the same launch: the reconstruct route stores the chunks it builds anyway; the
+  output-only route, under ``pl.when(flush)``, re-reads the checkpoint and rebuilds it chunk by
+  chunk from the ring refs (a small [BP, block_n] accumulator: that branch is compiled into
+  every program, and its registers would lower the occupancy of all of them).
+* ``materialize``: the rebuild alone, into a fresh f32 array, for every row.
+
+The kernel pieces (``_token``, ``_finish``, ``_decode_step``, ``_window``, ``_fold``, the builders)
+also serve the speculative-verify kernels of pallas/mamba2_verify_triton.py.
+
+Everything is float32 inside and products are multiply-and-reduce or rank-one FMAs, never
+``dot`` (Triton f32 dots are TF32), so CPU interpret mode and the GPU agree to f32 rounding. Ring
+entries outside a window may be stale or NaN: they are masked away at load time, never multiplied
+by 0. Padding rows (slot < 0) produce zero output and touch neither checkpoint nor ring.
+Shapes: x, z [B, H, P]; dt [B, H]; A, D, dt_bias [H]; B, C [B, G, N]; state [Ns, H, P, N];
+ring_x [Ns, H, R, P]; ring_B [Ns, G, R, N]; ring_a [Ns, H, R]. Head h reads group h // (H // G).
+P needs a power-of-two divisor (P = 80 runs in tiles of 16); N must be a power of two.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from replayssm_jax import config as config_lib
+from replayssm_jax.cursor import ReplayPlan
+from replayssm_jax.mamba2.buffers import ReplayBuffers
+from replayssm_jax.pallas import common
+from replayssm_jax.replay import window_decays, window_offsets
+
+f32 = jnp.float32
+ROUTES = ("auto", "output_only", "reconstruct")
+OPTIONAL = ("D", "dt_bias", "z")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel pieces. ``r`` maps argument names to refs (optional D, dt_bias, z are absent when None).
+# ----------------------------------------------------------------------------------------------
+
+def _token(r, at, h, tile, softplus):
+  """(ΔA, Δx [BP]) of the token at ``at`` ((b,) in decode, (b, i) in verify), head h:
+  Δ = softplus(dt + dt_bias), in float32."""
+  dt = r["dt"][(*at, h)].astype(f32)
+  if "dt_bias" in r:
+    dt = dt + r["dt_bias"][h].astype(f32)
+  # softplus as jax.nn.softplus (logaddexp(dt, 0)) computes it, without overflow.
+  delta = jnp.maximum(dt, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(dt))) if softplus else dt
+  return delta * r["A"][h].astype(f32), delta * r["x"][(*at, h, tile)].astype(f32)
+
+
+def _finish(r, y, at, h, tile):
+  """(y + D x) · silu(z) of the token at ``at``, cast to the output dtype."""
+  if "D" in r:
+    y = y + r["D"][h].astype(f32) * r["x"][(*at, h, tile)].astype(f32)
+  if "z" in r:
+    z = r["z"][(*at, h, tile)].astype(f32)
+    y = y * (z / (1.0 + jnp.exp(-z)))
+  return y.astype(r["y_out"].dtype)
+
+
+def _window(r, s, h, base, length, ring_size):
+  """(weights [R], total log decay, inside [R]) of the window ``[base, base + length)``."""
+  _, inside = window_offsets((ring_size,), base, length, ring_size)
+  ra = plt.load(r["ring_a"].at[s, h, :], mask=inside, other=jnp.zeros((), f32))
+  weights, total = window_decays(ra, base, length, ring_size)
+  return weights, total, inside
+
+
+def _rebuild(r, s, h, g, tile, cols, window, ring_size):
+  """e^G S_c + Σ_j w_j Δx_j B_jᵀ on the [BP, len(cols)] chunk: R rank-one FMAs, one per ring
+  position, each entry's two loads masked (zeros) outside the window; the loads are independent
+  so they issue together."""
+  weights, total, inside = window
+  S = jnp.exp(total) * r["state"][s, h, tile, cols].astype(f32)
+  pos = lax.broadcasted_iota(jnp.int32, (ring_size,), 0)
+  for p in range(ring_size):
+    at_p = pos == p
+    w = jnp.sum(jnp.where(at_p, weights, 0.0))
+    live = jnp.sum(jnp.where(at_p & inside, 1, 0)) > 0
+    i = jnp.int32(p)  # an array index: interpret mode cannot discharge a Python int in a masked load
+    dx = common.load_entry(r["ring_x"].at[s, h, i, tile], live).astype(f32)
+    Bp = common.load_entry(r["ring_B"].at[s, g, i, cols], live).astype(f32)
+    S = S + (w * dx)[:, None] * Bp[None, :]
+  return S
+
+
+def _step_chunk(r, at, s, h, g, tile, cols, window, dA, dx, ring_size):
+  """S_t = a S_{t-1} + Δx_t B_tᵀ on one [BP, block_n] chunk, S_{t-1} rebuilt from the ring."""
+  Bt = r["B"][(*at, g, cols)].astype(f32)
+  return jnp.exp(dA) * _rebuild(r, s, h, g, tile, cols, window, ring_size) + dx[:, None] * Bt[None, :]
+
+
+def _chunks(n, block_n, body, init):
+  """``body(cols, carry)`` over the N chunks of width block_n (a loop: one copy of the code)."""
+  return lax.fori_loop(0, n // block_n, lambda c, carry: body(pl.ds(c * block_n, block_n), carry),
+                       init)
+
+
+def _decode_step(r, at, g, S, dA, dx):
+  """(S_t = a S_{t-1} + Δx_t B_tᵀ, S_t C_t) on a [BP, N] tile, for the token at ``at``."""
+  S = jnp.exp(dA) * S + dx[:, None] * r["B"][(*at, g, slice(None))].astype(f32)[None, :]
+  return S, jnp.sum(S * r["C"][(*at, g, slice(None))].astype(f32)[None, :], axis=1)
+
+
+def _fold(r, at, s, h0, g, tile, base, count, *, heads, block_n, ring_size, softplus):
+  """Checkpoint of heads h0 .. h0 + heads - 1 ← window ``[base, base + count)`` + the token at
+  ``at``. Everything is reloaded from refs, head by head and chunk by chunk, so this rarely taken
+  branch (compiled into every program) holds few registers."""
+  n = r["state"].shape[-1]
+
+  def head(i, carry):
+    h = h0 + i
+    dA, dx = _token(r, at, h, tile, softplus)
+    window = _window(r, s, h, base, count, ring_size)
+
+    def chunk(cols, carry):
+      S = _step_chunk(r, at, s, h, g, tile, cols, window, dA, dx, ring_size)
+      r["state_out"][s, h, tile, cols] = S.astype(r["state_out"].dtype)
+      return carry
+    return _chunks(n, block_n, chunk, carry)
+  lax.fori_loop(0, heads, head, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels.
+# ----------------------------------------------------------------------------------------------
+
+def _decode_kernel(*refs, names, group, block_p, softplus):
+  r = dict(zip(names, refs))
+  pt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = r["slots"][b]
+  tile = pl.ds(pt * block_p, block_p)
+
+  @pl.when(s < 0)
+  def _():
+    r["y_out"][b, h, tile] = jnp.zeros((block_p,), r["y_out"].dtype)
+
+  @pl.when(s >= 0)
+  def _():
+    dA, dx = _token(r, (b,), h, tile, softplus)
+    S, y = _decode_step(r, (b,), h // group, r["pool"][s, h, tile, :].astype(f32), dA, dx)
+    r["y_out"][b, h, tile] = _finish(r, y, (b,), h, tile)
+    r["pool_out"][s, h, tile, :] = S.astype(r["pool_out"].dtype)
+
+
+def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, route, softplus):
+  r = dict(zip(names, refs))
+  pt, hb, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = r["slots"][b]
+  tile = pl.ds(pt * block_p, block_p)
+  h0 = hb * heads                       # this program's heads h0 .. h0 + heads - 1, one group
+  g = h0 // group
+  n = r["state"].shape[-1]
+
+  @pl.when(s < 0)
+  def _():
+    for i in range(heads):
+      r["y_out"][b, h0 + i, tile] = jnp.zeros((block_p,), r["y_out"].dtype)
+
+  @pl.when(s >= 0)
+  def _():
+    base, count, flush = r["base"][b], r["count"][b], r["flush"][b] != 0
+    put = (base + count) % ring_size                                # this token's ring index
+    C = r["C"][b, g, :].astype(f32)
+    Bt = r["B"][b, g, :].astype(f32)
+    if route == "output_only":
+      # B_j·C for the window entries and B_t·C, shared by the program's heads.
+      _, inside = window_offsets((ring_size,), base, count, ring_size)
+      rBC = jnp.sum(common.load_window(r["ring_B"].at[s, g, :, :], inside) * C[None, :], axis=1)
+      BtC = jnp.sum(Bt * C)
+    for i in range(heads):
+      h = h0 + i
+      dA, dx = _token(r, (b,), h, tile, softplus)
+      window = _window(r, s, h, base, count, ring_size)
+      if route == "output_only":
+        weights, total, inside = window
+        ScC = jnp.sum(r["state"][s, h, tile, :].astype(f32) * C[None, :], axis=1)
+        rx = common.load_window(r["ring_x"].at[s, h, :, tile], inside)    # [R, BP]
+        SC = jnp.exp(total) * ScC + jnp.sum((weights * rBC)[:, None] * rx, axis=0)
+        y = jnp.exp(dA) * SC + BtC * dx
+      else:
+        def chunk(cols, y, h=h, window=window, dA=dA, dx=dx):
+          S = _step_chunk(r, (b,), s, h, g, tile, cols, window, dA, dx, ring_size)
+
+          @pl.when(flush)
+          def _():
+            r["state_out"][s, h, tile, cols] = S.astype(r["state_out"].dtype)
+          return y + jnp.sum(S * r["C"][b, g, cols].astype(f32)[None, :], axis=1)
+        y = _chunks(n, block_n, chunk, jnp.zeros((block_p,), f32))
+      r["y_out"][b, h, tile] = _finish(r, y, (b,), h, tile)
+      r["ring_x_out"][s, h, put, tile] = dx.astype(r["ring_x_out"].dtype)
+
+      @pl.when(pt == 0)  # ΔA is per head, not per P tile: one program appends it
+      def _(h=h, dA=dA):
+        r["ring_a_out"][s, h, put] = dA
+
+    @pl.when((pt == 0) & (h0 % group == 0))  # B is per group: its first program appends it
+    def _():
+      r["ring_B_out"][s, g, put, :] = Bt.astype(r["ring_B_out"].dtype)
+
+    if route == "output_only":
+      @pl.when(flush)
+      def _():
+        _fold(r, (b,), s, h0, g, tile, base, count, heads=heads, block_n=block_n,
+              ring_size=ring_size, softplus=softplus)
+
+
+def _materialize_kernel(*refs, names, group, block_p, block_n, ring_size):
+  r = dict(zip(names, refs))
+  pt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = r["slots"][b]
+  tile = pl.ds(pt * block_p, block_p)
+  n = r["state"].shape[-1]
+
+  @pl.when(s < 0)
+  def _():
+    r["out"][b, h, tile, :] = jnp.zeros((block_p, n), f32)
+
+  @pl.when(s >= 0)
+  def _():
+    window = _window(r, s, h, r["base"][b], r["length"][b], ring_size)
+
+    def chunk(cols, carry):
+      r["out"][b, h, tile, cols] = _rebuild(r, s, h, h // group, tile, cols, window, ring_size)
+      return carry
+    _chunks(n, block_n, chunk, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders.
+# ----------------------------------------------------------------------------------------------
+
+def _pallas(kernel, inputs: dict, outputs: dict, aliases: dict, *, grid, cfg, name, interpret):
+  """pallas_call over named GMEM operands; ``aliases`` maps input names to output names."""
+  in_names, out_names = list(inputs), list(outputs)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  outs = pl.pallas_call(
+      functools.partial(kernel, names=tuple(in_names + out_names)), grid=grid,
+      in_specs=[any_spec] * len(inputs), out_specs=[any_spec] * len(outputs),
+      out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outputs.values()],
+      input_output_aliases={in_names.index(i): out_names.index(o) for i, o in aliases.items()},
+      name=name, interpret=interpret,
+      compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+  )(*inputs.values())
+  return dict(zip(out_names, outs))
+
+
+def _step_inputs(x, dt, A, B, C, D, z, dt_bias) -> dict:
+  given = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "z": z}
+  return {k: v for k, v in given.items() if v is not None}
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
+def _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, *, dt_softplus, cfg, interpret):
+  batch, h, p = x.shape
+  kernel = functools.partial(_decode_kernel, group=h // B.shape[1], block_p=cfg.block_p,
+                             softplus=dt_softplus)
+  out = _pallas(kernel, {"slots": slots, **_step_inputs(x, dt, A, B, C, D, z, dt_bias), "pool": pool},
+                {"y_out": x, "pool_out": pool}, {"pool": "pool_out"},
+                grid=(p // cfg.block_p, h, batch), cfg=cfg, name="replayssm_mamba2_decode",
+                interpret=interpret)
+  return out["y_out"], out["pool_out"]
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "route", "cfg", "interpret"))
+def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, route, cfg,
+                   interpret):
+  batch, h, p = x.shape
+  kernel = functools.partial(_replay_kernel, group=h // bufs.num_groups, heads=cfg.heads,
+                             block_p=cfg.block_p, block_n=cfg.block_n, ring_size=bufs.ring_size,
+                             route=route, softplus=dt_softplus)
+  buffers = {"state": bufs.state, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
+  out = _pallas(kernel,
+                {"slots": plan.slots, "base": plan.base, "count": plan.count,
+                 "flush": plan.flush.astype(jnp.int32),
+                 **_step_inputs(x, dt, A, B, C, D, z, dt_bias), **buffers},
+                {"y_out": x, **{k + "_out": v for k, v in buffers.items()}},
+                {k: k + "_out" for k in buffers},
+                grid=(p // cfg.block_p, h // cfg.heads, batch), cfg=cfg,
+                name="replayssm_mamba2_replay_step", interpret=interpret)
+  return out["y_out"], bufs.replace(**{k: out[k + "_out"] for k in buffers})
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _materialize(bufs, slots, base, length, *, cfg, interpret):
+  batch = slots.shape[0]
+  _, h, p, n = bufs.state.shape
+  kernel = functools.partial(_materialize_kernel, group=h // bufs.num_groups, block_p=cfg.block_p,
+                             block_n=cfg.block_n, ring_size=bufs.ring_size)
+  out = _pallas(kernel,
+                {"slots": slots, "base": base, "length": length, "state": bufs.state,
+                 "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a},
+                {"out": jax.ShapeDtypeStruct((batch, h, p, n), f32)}, {},
+                grid=(p // cfg.block_p, h, batch), cfg=cfg, name="replayssm_mamba2_materialize",
+                interpret=interpret)
+  return out["out"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrappers (called from mamba2/ops.py; inputs already validated there).
+# ----------------------------------------------------------------------------------------------
+
+def _check_sizes(op, head_dim, state_dim):
+  """Sizes Triton cannot tile are NotImplementedError, so implementation=None falls back to XLA:
+  N not a power of two, P without a power-of-two divisor of at least min(P, 8) rows."""
+  common.require_pow2(op, N=state_dim)
+  if head_dim & -head_dim < min(head_dim, 8):
+    raise NotImplementedError(f"{op}: head_dim P={head_dim} has no power-of-two tile of at least 8 "
+                              f"rows (use implementation='xla', or None to fall back automatically)")
+
+
+def _fit(op, cfg, head_dim, state_dim, heads_per_group=1, **knobs):
+  """Applies the keyword overrides (a non-power-of-two tile is NotImplementedError) and clips the
+  tiles to the head."""
+  common.require_pow2(op, **{k: v for k, v in knobs.items()
+                             if k in ("block_p", "block_n") and v is not None})
+  return cfg.override(**knobs).fit(head_dim, state_dim, heads_per_group)
+
+
+def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=None,
+           num_warps=None, num_stages=None):
+  """Conventional Mamba2 decode step over a slot pool. Returns (y [B, H, P] in x.dtype, pool)."""
+  op = "mamba2.decode[pallas_triton]"
+  _, _, p, n = pool.shape
+  _check_sizes(op, p, n)
+  cfg = config_lib.mamba2_decode_config(device_kind=common.device_kind(), state_dtype=pool.dtype,
+                                        head_dim=p, state_dim=n, batch=x.shape[0])
+  cfg = _fit(op, cfg, p, n, block_p=block_p, num_warps=num_warps, num_stages=num_stages)
+  return _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, dt_softplus=dt_softplus, cfg=cfg,
+                 interpret=common.interpret_mode())
+
+
+def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z, dt_bias,
+                  dt_softplus, route="auto", block_p=None, block_n=None, heads=None, num_warps=None,
+                  num_stages=None):
+  """ReplaySSM Mamba2 decode (one token per row), flush fold fused into the step.
+
+  ``block_p`` (P rows per program), ``block_n`` (N chunk of the rebuild), ``heads`` (heads per
+  program), ``num_warps`` and ``num_stages`` override the config. Returns (y [B, H, P], bufs).
+  """
+  op = "mamba2.replay_decode[pallas_triton]"
+  if plan.num_tokens != 1:
+    raise NotImplementedError(f"{op}: plans with num_tokens={plan.num_tokens} (verify) are not "
+                              f"supported by this kernel")
+  if route not in ROUTES:
+    raise ValueError(f"route={route!r}; expected one of {ROUTES}")
+  if heads is not None and (not isinstance(heads, int) or heads < 1):
+    raise ValueError(f"heads={heads!r}; expected an int >= 1")
+  h, p, n = bufs.num_heads, bufs.head_dim, bufs.state_dim
+  _check_sizes(op, p, n)
+  cfg = config_lib.mamba2_replay_config(
+      device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_dim=p, state_dim=n,
+      num_heads=h, num_groups=bufs.num_groups, batch=x.shape[0], buffer_len=plan.buffer_len,
+      route=route)
+  step = _fit(op, cfg.step, p, n, h // bufs.num_groups, block_p=block_p, block_n=block_n,
+              heads=heads, num_warps=num_warps, num_stages=num_stages)
+  return _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
+                        route=cfg.route, cfg=step, interpret=common.interpret_mode())
+
+
+def materialize(bufs: ReplayBuffers, slots, base, length, *, block_p=None, block_n=None,
+                num_warps=None, num_stages=None):
+  """Exact state of each row (checkpoint ⊕ ``length`` entries from ``base``): f32 [B, H, P, N]."""
+  op = "mamba2.materialize[pallas_triton]"
+  p, n = bufs.head_dim, bufs.state_dim
+  _check_sizes(op, p, n)
+  cfg = config_lib.mamba2_materialize_config(device_kind=common.device_kind(), head_dim=p,
+                                             state_dim=n)
+  cfg = _fit(op, cfg, p, n, block_p=block_p, block_n=block_n, num_warps=num_warps,
+             num_stages=num_stages)
+  return _materialize(bufs, slots, base, length, cfg=cfg, interpret=common.interpret_mode())

@@ -1,0 +1,246 @@
+"""Mamba2 speculative-verify kernels in Pallas with the Triton lowering (interpreted on CPU).
+
+Two kernels, each ``kernel → builder → public wrapper`` (the wrappers are what mamba2/ops.py
+calls), built from the pieces of pallas/mamba2_triton.py:
+
+* ``replay_verify``: ReplaySSM verify of T ≤ 8 tokens per row (Mamba2 Alg. 4) in one launch, grid
+  (P/BP, H/heads, B); a program serves ``heads`` heads of one group. With S_h = checkpoint ⊕
+  committed window ``[base, base + count)`` and L_i = Σ_{j≤i} Δ_j A over the tokens::
+
+      y_i = e^{L_i} (S_h C_i) + Σ_{j≤i} e^{L_i − L_j} (B_j·C_i) Δx_j           (then D skip, gate)
+      S_h C_i = e^G (S_c C_i) + Σ_w w_w (B_w·C_i) Δx_w                        (output-only read)
+
+  S is never built for the outputs: the window products B_w·C_i and the token products B_j·C_i
+  are computed once per program and shared by its heads. Every real token i is appended as
+  (Δx, B, ΔA) at ring index ``base + count + i``; flushing rows fold the window and token 0 only
+  (``plan.fold_length()`` entries) into the checkpoint in the same program (``mamba2_triton._fold``,
+  the output-only step's fold). With T = 1 this is ``mamba2_triton.replay_decode``'s output-only
+  route, operation for operation.
+* ``verify_conventional``: the baseline engines run without ReplaySSM. Grid (P/BP, H, B); a program
+  reads its [BP, N] tile of ``stack[slot, read_index]``, steps it through the T tokens and writes
+  the tile after token i to ``stack[slot, i]`` in place.
+
+Lanes i ≥ ``lengths[b]`` are padding: zero output and no ring or stack write. Their inputs are
+loaded (in bounds) but only ever reach padded lanes' values, which are selected away, so NaN there
+cannot leak (lanes are a prefix: real lane i reads lanes j ≤ i only). Padding rows (slot < 0)
+output zeros and write nothing. float32 inside, multiply-and-reduce and rank-one FMAs, never
+``dot`` (Triton f32 dots are TF32). Shapes: x, z [B, T, H, P]; dt [B, T, H]; A, D, dt_bias [H];
+B, C [B, T, G, N]; lengths int32[B]; state [Ns, H, P, N]; ring_x [Ns, H, R, P];
+ring_B [Ns, G, R, N]; ring_a [Ns, H, R]; stack [Ns, T_max, H, P, N].
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from replayssm_jax import config as config_lib
+from replayssm_jax.cursor import ReplayPlan
+from replayssm_jax.mamba2.buffers import ReplayBuffers
+from replayssm_jax.pallas import common
+from replayssm_jax.pallas.mamba2_triton import (_check_sizes, _decode_step, _finish, _fit, _fold,
+                                                _pallas, _step_inputs, _token, _window)
+from replayssm_jax.replay import window_offsets
+
+f32 = jnp.float32
+MAX_TOKENS = 8  # tokens are unrolled in the kernel body; longer verifies run in XLA
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels.
+# ----------------------------------------------------------------------------------------------
+
+def _store_if(ref, value, cond):
+  """``ref[...] = value`` (cast to the ref's dtype) where the scalar ``cond`` holds: a masked store,
+  not a branch."""
+  plt.store(ref, value.astype(ref.dtype), mask=jnp.broadcast_to(cond, ref.shape))
+
+
+def _zero_outputs(r, b, h0, heads, tile, block_p, tokens):
+  """Padding row: y = 0 on every token of heads h0 .. h0 + heads - 1."""
+  for i in range(tokens):
+    for k in range(heads):
+      r["y_out"][b, i, h0 + k, tile] = jnp.zeros((block_p,), r["y_out"].dtype)
+
+
+def _verify_kernel(*refs, names, group, heads, block_p, block_n, ring_size, tokens, softplus):
+  r = dict(zip(names, refs))
+  pt, hb, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = r["slots"][b]
+  tile = pl.ds(pt * block_p, block_p)
+  h0 = hb * heads                       # this program's heads h0 .. h0 + heads - 1, one group
+  g = h0 // group
+
+  @pl.when(s < 0)
+  def _():
+    _zero_outputs(r, b, h0, heads, tile, block_p, tokens)
+
+  @pl.when(s >= 0)
+  def _():
+    base, count, flush, length = r["base"][b], r["count"][b], r["flush"][b] != 0, r["lengths"][b]
+    real = [length > i for i in range(tokens)]                      # token 0 is always real
+    put = [(base + count + i) % ring_size for i in range(tokens)]   # token i's ring index
+    Bs = [r["B"][b, i, g, :].astype(f32) for i in range(tokens)]
+    Cs = [r["C"][b, i, g, :].astype(f32) for i in range(tokens)]
+    # Shared by the program's heads: B_w·C_i over the window [R] and B_j·C_i for j ≤ i.
+    _, inside = window_offsets((ring_size,), base, count, ring_size)
+    rB = common.load_window(r["ring_B"].at[s, g, :, :], inside)    # [R, N]
+    rBC = [jnp.sum(rB * C[None, :], axis=1) for C in Cs]
+    BC = [[jnp.sum(Bs[j] * Cs[i]) for j in range(i + 1)] for i in range(tokens)]
+    for k in range(heads):
+      h = h0 + k
+      weights, total, inside = _window(r, s, h, base, count, ring_size)
+      Sc = r["state"][s, h, tile, :].astype(f32)                    # [BP, N]
+      rx = common.load_window(r["ring_x"].at[s, h, :, tile], inside)   # [R, BP]
+      dAs, dxs = zip(*(_token(r, (b, i), h, tile, softplus) for i in range(tokens)))
+      L = [dAs[0]]                                                  # L_i = Σ_{j≤i} ΔA_j
+      for dA in dAs[1:]:
+        L.append(L[-1] + dA)
+      for i in range(tokens):
+        ShC = (jnp.exp(total) * jnp.sum(Sc * Cs[i][None, :], axis=1)
+               + jnp.sum((weights * rBC[i])[:, None] * rx, axis=0))
+        y = jnp.exp(L[i]) * ShC
+        for j in range(i + 1):                                      # causal mask: j ≤ i
+          y = y + jnp.exp(L[i] - L[j]) * BC[i][j] * dxs[j]
+        y = _finish(r, y, (b, i), h, tile)
+        r["y_out"][b, i, h, tile] = jnp.where(real[i], y, jnp.zeros((), y.dtype))
+        _store_if(r["ring_x_out"].at[s, h, put[i], tile], dxs[i], real[i])
+        # ΔA is per head, not per P tile: one program appends it.
+        _store_if(r["ring_a_out"].at[s, h, put[i]], dAs[i], real[i] & (pt == 0))
+
+    for i in range(tokens):  # B is per group: its first program appends it
+      _store_if(r["ring_B_out"].at[s, g, put[i], :], Bs[i], real[i] & (pt == 0) & (h0 % group == 0))
+
+    @pl.when(flush)  # checkpoint ← window + token 0; drafts are never folded
+    def _():
+      _fold(r, (b, 0), s, h0, g, tile, base, count, heads=heads, block_n=block_n,
+            ring_size=ring_size, softplus=softplus)
+
+
+def _conventional_kernel(*refs, names, group, block_p, tokens, softplus):
+  r = dict(zip(names, refs))
+  pt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = r["slots"][b]
+  tile = pl.ds(pt * block_p, block_p)
+
+  @pl.when(s < 0)
+  def _():
+    _zero_outputs(r, b, h, 1, tile, block_p, tokens)
+
+  @pl.when(s >= 0)
+  def _():
+    length = r["lengths"][b]
+    S = r["stack"][s, r["read_index"][b], h, tile, :].astype(f32)   # [BP, N], read before writes
+    for i in range(tokens):
+      dA, dx = _token(r, (b, i), h, tile, softplus)
+      S, y = _decode_step(r, (b, i), h // group, S, dA, dx)
+      y = _finish(r, y, (b, i), h, tile)
+      r["y_out"][b, i, h, tile] = jnp.where(length > i, y, jnp.zeros((), y.dtype))
+      # An array index: interpret mode cannot discharge a Python int in a masked store.
+      _store_if(r["stack_out"].at[s, jnp.int32(i), h, tile, :], S, length > i)
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders.
+# ----------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
+def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_softplus, cfg,
+                   interpret):
+  batch, t, h, p = x.shape
+  kernel = functools.partial(_verify_kernel, group=h // bufs.num_groups, heads=cfg.heads,
+                             block_p=cfg.block_p, block_n=cfg.block_n, ring_size=bufs.ring_size,
+                             tokens=t, softplus=dt_softplus)
+  buffers = {"state": bufs.state, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
+  out = _pallas(kernel,
+                {"slots": plan.slots, "base": plan.base, "count": plan.count,
+                 "flush": plan.flush.astype(jnp.int32), "lengths": lengths,
+                 **_step_inputs(x, dt, A, B, C, D, z, dt_bias), **buffers},
+                {"y_out": x, **{k + "_out": v for k, v in buffers.items()}},
+                {k: k + "_out" for k in buffers},
+                grid=(p // cfg.block_p, h // cfg.heads, batch), cfg=cfg,
+                name="replayssm_mamba2_replay_verify", interpret=interpret)
+  return out["y_out"], bufs.replace(**{k: out[k + "_out"] for k in buffers})
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
+def _verify_conventional(x, dt, A, B, C, stack, slots, read_index, lengths, D, z, dt_bias, *,
+                         dt_softplus, cfg, interpret):
+  batch, t, h, p = x.shape
+  kernel = functools.partial(_conventional_kernel, group=h // B.shape[2], block_p=cfg.block_p,
+                             tokens=t, softplus=dt_softplus)
+  out = _pallas(kernel,
+                {"slots": slots, "read_index": read_index, "lengths": lengths,
+                 **_step_inputs(x, dt, A, B, C, D, z, dt_bias), "stack": stack},
+                {"y_out": x, "stack_out": stack}, {"stack": "stack_out"},
+                grid=(p // cfg.block_p, h, batch), cfg=cfg,
+                name="replayssm_mamba2_verify_conventional", interpret=interpret)
+  return out["y_out"], out["stack_out"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrappers (called from mamba2/ops.py; inputs already validated there).
+# ----------------------------------------------------------------------------------------------
+
+def _check_tokens(op, t):
+  if t > MAX_TOKENS:
+    raise NotImplementedError(f"{op}: T={t} tokens per row; this kernel unrolls at most "
+                              f"{MAX_TOKENS} (use implementation='xla', or None to fall back "
+                              f"automatically)")
+
+
+def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, D, z, dt_bias,
+                  dt_softplus, block_p=None, block_n=None, heads=None, num_warps=None,
+                  num_stages=None):
+  """ReplaySSM Mamba2 verify of T = ``plan.num_tokens`` tokens per row, flush fold fused in.
+
+  Args:
+    x: [B, T, H, P]; dt: [B, T, H]; A: [H]; B, C: [B, T, G, N]; D, dt_bias: [H] or None;
+      z: [B, T, H, P] or None; dt_softplus: bool.
+    bufs: mamba2.ReplayBuffers (aliased in place); plan: ReplayPlan with num_tokens = T.
+    lengths: int32[B] real tokens per row in [1, T].
+    block_p (P rows per program), block_n (N chunk of the flush fold), heads (heads per program),
+      num_warps, num_stages: config overrides.
+
+  Returns:
+    (y [B, T, H, P] in x's dtype, bufs).
+  """
+  op = "mamba2.replay_verify[pallas_triton]"
+  _check_tokens(op, plan.num_tokens)
+  h, p, n, g = bufs.num_heads, bufs.head_dim, bufs.state_dim, bufs.num_groups
+  _check_sizes(op, p, n)
+  cfg = config_lib.mamba2_verify_config(
+      device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_dim=p, state_dim=n,
+      num_heads=h, num_groups=g, batch=x.shape[0], buffer_len=plan.buffer_len,
+      num_tokens=plan.num_tokens)
+  cfg = _fit(op, cfg, p, n, h // g, block_p=block_p, block_n=block_n, heads=heads,
+             num_warps=num_warps, num_stages=num_stages)
+  return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,
+                        cfg=cfg, interpret=common.interpret_mode())
+
+
+def verify_conventional(x, dt, A, B, C, stack, slots, read_index, lengths, *, D, z, dt_bias,
+                        dt_softplus, block_p=None, num_warps=None, num_stages=None):
+  """Conventional Mamba2 verify: state ``stack[slot, read_index]`` stepped through T tokens, the
+  state after token i written to ``stack[slot, i]`` (real lanes only).
+
+  Args:
+    x, dt, A, B, C, D, z, dt_bias, dt_softplus, lengths: as in ``replay_verify``.
+    stack: [Ns, T_max, H, P, N] (aliased in place); slots, read_index: int32[B].
+    block_p, num_warps, num_stages: config overrides.
+
+  Returns:
+    (y [B, T, H, P] in x's dtype, stack).
+  """
+  op = "mamba2.verify_conventional[pallas_triton]"
+  t = x.shape[1]
+  _check_tokens(op, t)
+  p, n = stack.shape[3:]
+  _check_sizes(op, p, n)
+  cfg = config_lib.mamba2_verify_conventional_config(
+      device_kind=common.device_kind(), state_dtype=stack.dtype, head_dim=p, state_dim=n,
+      batch=x.shape[0], num_tokens=t)
+  cfg = _fit(op, cfg, p, n, block_p=block_p, num_warps=num_warps, num_stages=num_stages)
+  return _verify_conventional(x, dt, A, B, C, stack, slots, read_index, lengths, D, z, dt_bias,
+                              dt_softplus=dt_softplus, cfg=cfg, interpret=common.interpret_mode())
