@@ -25,12 +25,19 @@ def real_positions(x, slots, lengths):
   return (jnp.arange(t)[None, :] < lengths[:, None]) & (slots >= 0)[:, None]
 
 
-def prefill(x, weight, bias, conv_state, slots, lengths):
+def prefill(x, weight, bias, conv_state, slots, lengths, *, resume=False):
   """Causal conv over right-padded prompts: out_t = Σ_{i<W} w_i · x_{t−(W−1)+i} (+ bias), zeros
-  before the prompt start. Returns (pre-activation [B, T, C] float32, conv_state) with each live
-  slot's state = its last W-1 real inputs (padding only follows them, so it never leaks back)."""
+  before the prompt start (``resume=False``) or the slot's stored W-1 inputs (``resume=True``:
+  the prompt continues the slot's sequence). Returns (pre-activation [B, T, C] float32,
+  conv_state) with each live slot's state = its last W-1 inputs (padding only follows them, so
+  it never leaks back)."""
   w, t = weight.shape[0], x.shape[1]
-  padded = jnp.pad(x, ((0, 0), (w - 1, 0), (0, 0)))                     # [B, T+W-1, C]
+  if resume:
+    live = (slots >= 0)[:, None, None]
+    hist = jnp.where(live, conv_state[jnp.where(slots >= 0, slots, 0)], 0).astype(x.dtype)
+    padded = jnp.concatenate([hist, x], axis=1)                          # [B, W-1+T, C]
+  else:
+    padded = jnp.pad(x, ((0, 0), (w - 1, 0), (0, 0)))                     # [B, T+W-1, C]
   wt = weight.astype(f32)
   out = sum(wt[i] * padded[:, i:i + t].astype(f32) for i in range(w))
   if bias is not None:

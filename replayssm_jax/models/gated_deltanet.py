@@ -194,8 +194,9 @@ class GatedDeltaNet(nnx.Module):
 
   # ---- prefill -----------------------------------------------------------------------------
 
-  def prefill(self, x, cache: GdnLayerCache, slots, lengths, *, chunk_size=64):
-    """Runs right-padded prompts from an empty state and writes their slots' cache.
+  def prefill(self, x, cache: GdnLayerCache, slots, lengths, *, chunk_size=64, initial_state=None):
+    """Runs right-padded prompts (from an empty state, or continuing ``initial_state``) and
+    writes their slots' cache.
 
     Row b holds ``lengths[b]`` real tokens followed by padding. Padding is made inert: from
     position ``lengths[b]`` on, the GDN inputs are g = 0, β = 0 and q = k = v = 0, so the state
@@ -212,6 +213,9 @@ class GatedDeltaNet(nnx.Module):
       slots: int32[B] pool slot per row (negative = padding row: nothing written).
       lengths: int32[B] real tokens per row, in [0, T].
       chunk_size: chunk length of ``gdn.chunked``.
+      initial_state: None (start from an empty state) or float32 [B, Hv, V, K]: continue each row
+        from this state and from its slot's stored conv inputs (a prompt that extends the
+        slot's sequence, e.g. after a prefix-cache hit; ``LM.prefill(..., resume=True)``).
 
     Returns:
       (y [B, T, D] in the layer dtype, zeros at padded positions and on padding rows; cache).
@@ -222,13 +226,14 @@ class GatedDeltaNet(nnx.Module):
 
     qkv, z, b, a = self._project(x)
     conv, conv_state = _conv.prefill(qkv, self.conv_weight[...], None, cache.conv_state, slots,
-                                     lengths)
+                                     lengths, resume=initial_state is not None)
     qkv = jax.nn.silu(conv)
 
     q, k, v, g, beta = self._heads(qkv, b, a)
     mask = lambda u: jnp.where(real.reshape(real.shape + (1,) * (u.ndim - 2)), u, 0)
     q, k, v, g, beta = map(mask, (q, k, v, g, beta))
-    o, S = gdn.chunked(q, k, v, g, beta, chunk_size=chunk_size)       # o [B, T, Hv, V], S f32
+    o, S = gdn.chunked(q, k, v, g, beta, chunk_size=chunk_size,
+                       initial_state=initial_state)                   # o [B, T, Hv, V], S f32
     y = jnp.where(real[..., None], self._output(o, z), 0)
 
     bufs, _ = gdn.write_state(cache.bufs, _conv.stand_in_cursor(cache.bufs), slots, S)

@@ -1,14 +1,17 @@
 """A small GatedDeltaNet / Mamba2 language model (functional NNX, explicit cache pytree).
 
     h = embed(tokens)
-    N × { h = h + Mixer_i(rmsnorm(h));  h = h + SwiGLU(rmsnorm(h)) }
+    N × { h = h + Mixer_i(rmsnorm(h));  h = h + MLP(rmsnorm(h)) }
     logits = head(rmsnorm(h))
 
 Mixer_i is a GatedDeltaNet or a Mamba2 layer, chosen per layer by ``LMConfig.layer_types``
-(default: all GatedDeltaNet). The cache (``LMCache``) holds each layer's own cache
-(``GdnLayerCache`` or ``Mamba2LayerCache``) and the *one* ``ReplayCursor`` shared by all layers
-(their rings all have size ``buffer_len``): every decode step makes one plan, runs all layers
-with it and commits once (replay mode only; conventional mode leaves the cursor windows empty).
+(default: all GatedDeltaNet). Hybrid checkpoints in the Mamba2 / Nemotron-H layout have blocks
+with a mixer only (``mixer_mlp=False``) and separate MLP-only blocks (layer type ``"mlp"``); the
+MLP is SwiGLU (Qwen) or relu² (Nemotron-H, ``mlp_act="relu2"``). The cache (``LMCache``) holds
+one cache per *mixer* block, in block order (``GdnLayerCache`` or ``Mamba2LayerCache``; MLP-only
+blocks have none), and the *one* ``ReplayCursor`` shared by all layers (their rings all have
+size ``buffer_len``): every decode step makes one plan, runs all layers with it and commits once
+(replay mode only; conventional mode leaves the cursor windows empty).
 """
 import dataclasses
 
@@ -18,12 +21,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import _checks
+from replayssm_jax import gdn
+from replayssm_jax import mamba2
 from replayssm_jax.cursor import ReplayCursor
-from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
-from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config
+from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, GdnLayerCache
+from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config, Mamba2LayerCache
 
 f32 = jnp.float32
-LAYER_TYPES = ("gdn", "mamba2")
+LAYER_TYPES = ("gdn", "mamba2")          # mixer layer types
+BLOCK_TYPES = LAYER_TYPES + ("mlp",)     # every value layer_types accepts ("mlp": MLP-only block)
+MLP_ACTS = ("swiglu", "relu2")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,7 +42,8 @@ class LMConfig:
     hidden_size: D.
     num_layers: number of (mixer, MLP) blocks.
     num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel: GatedDeltaNet shape.
-    layer_types: one of "gdn" / "mamba2" per layer (None = all "gdn").
+    layer_types: one of "gdn" / "mamba2" / "mlp" per layer (None = all "gdn"); "mlp" is an
+      MLP-only block (h + MLP(rmsnorm(h)), no cache).
     mamba2_num_heads, mamba2_head_dim, mamba2_num_groups, mamba2_state_dim: Mamba2 shape (H, P,
       G, N; the conv kernel is ``conv_kernel``), used by "mamba2" layers.
     intermediate_size: SwiGLU hidden width.
@@ -43,6 +51,11 @@ class LMConfig:
       prompt length shares one compilation).
     rms_eps: RMSNorm epsilon.
     dtype: activation / parameter dtype.
+    mixer_mlp: mixer blocks carry their own MLP (Qwen-style block). False: mixer-only blocks
+      (Mamba2 / Nemotron-H), MLPs come from "mlp" layers.
+    mlp_act: "swiglu" (gate, up, down) or "relu2" (up, down; down(relu(up(x))²), Nemotron-H).
+    norm_offset: the block and final RMSNorms scale by ``norm_offset + w`` (1.0 for the
+      zero-centred norms of Qwen3-Next / Qwen3.5 checkpoints; 0.0 = plain ``w``).
   """
   vocab_size: int
   hidden_size: int
@@ -61,6 +74,9 @@ class LMConfig:
   mamba2_head_dim: int = 16
   mamba2_num_groups: int = 1
   mamba2_state_dim: int = 16
+  mixer_mlp: bool = True
+  mlp_act: str = "swiglu"
+  norm_offset: float = 0.0
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "intermediate_size", "max_prompt_len"):
@@ -69,11 +85,17 @@ class LMConfig:
         raise ValueError(f"{name}={value!r}; expected an int >= 1")
     types = ("gdn",) * self.num_layers if self.layer_types is None else self.layer_types
     if isinstance(types, str) or not isinstance(types, (tuple, list)):
-      raise ValueError(f"layer_types={types!r}; expected a tuple of {LAYER_TYPES}")
+      raise ValueError(f"layer_types={types!r}; expected a tuple of {BLOCK_TYPES}")
     types = tuple(types)
-    if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+    if len(types) != self.num_layers or any(t not in BLOCK_TYPES for t in types):
       raise ValueError(f"layer_types={types!r}; expected {self.num_layers} entries, each one of "
-                       f"{LAYER_TYPES}")
+                       f"{BLOCK_TYPES}")
+    if not isinstance(self.mixer_mlp, bool):
+      raise ValueError(f"mixer_mlp={self.mixer_mlp!r}; expected a bool")
+    if self.mlp_act not in MLP_ACTS:
+      raise ValueError(f"mlp_act={self.mlp_act!r}; expected one of {MLP_ACTS}")
+    if isinstance(self.norm_offset, bool) or not isinstance(self.norm_offset, (int, float)):
+      raise ValueError(f"norm_offset={self.norm_offset!r}; expected a float (0.0 or 1.0)")
     object.__setattr__(self, "layer_types", types)
     object.__setattr__(self, "dtype", self.mixer().dtype)  # validates the mixer fields too
     if "mamba2" in types:
@@ -127,16 +149,16 @@ class LMCache:
 
 
 class RMSNorm(nnx.Module):
-  """x · rsqrt(mean(x²) + ε) · w over the last axis (in float32)."""
+  """x · rsqrt(mean(x²) + ε) · (offset + w) over the last axis (in float32); w starts at 1 − offset."""
 
-  def __init__(self, dim: int, *, eps: float, dtype):
-    self.eps, self.dtype = eps, dtype
-    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+  def __init__(self, dim: int, *, eps: float, dtype, offset: float = 0.0):
+    self.eps, self.dtype, self.offset = eps, dtype, float(offset)
+    self.weight = nnx.Param(jnp.full((dim,), 1.0 - self.offset, dtype))
 
   def __call__(self, x):
     x32 = x.astype(f32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * self.weight[...].astype(f32)).astype(self.dtype)
+    return (x32 * (self.offset + self.weight[...].astype(f32))).astype(self.dtype)
 
 
 class SwiGLU(nnx.Module):
@@ -150,18 +172,39 @@ class SwiGLU(nnx.Module):
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
+class ReluSquaredMLP(nnx.Module):
+  """down(relu(up(x))²) (Nemotron-H)."""
+
+  def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    self.up, self.down = lin(dim, hidden), lin(hidden, dim)
+
+  def __call__(self, x):
+    return self.down(jnp.square(jax.nn.relu(self.up(x))))
+
+
 class Block(nnx.Module):
-  """h + Mixer(norm(h)), then + SwiGLU(norm(h)); Mixer is GatedDeltaNet ("gdn") or Mamba2."""
+  """h + Mixer(norm(h)) (unless "mlp"), then + MLP(norm(h)) (if "mlp" or ``mixer_mlp``).
+
+  Mixer is GatedDeltaNet ("gdn") or Mamba2 ("mamba2"); "mlp" blocks have no mixer and no cache.
+  """
 
   def __init__(self, config: LMConfig, *, rngs: nnx.Rngs, layer_type: str = "gdn"):
     c = config
-    self.mixer_norm = RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype)
-    if layer_type == "mamba2":
-      self.mixer = Mamba2(c.mamba2_mixer(), rngs=rngs)
-    else:
-      self.mixer = GatedDeltaNet(c.mixer(), rngs=rngs)
-    self.mlp_norm = RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype)
-    self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, dtype=c.dtype, rngs=rngs)
+    self.layer_type = layer_type
+    self.has_mixer = layer_type != "mlp"
+    self.has_mlp = layer_type == "mlp" or c.mixer_mlp
+    norm = lambda: RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype, offset=c.norm_offset)
+    if self.has_mixer:
+      self.mixer_norm = norm()
+      if layer_type == "mamba2":
+        self.mixer = Mamba2(c.mamba2_mixer(), rngs=rngs)
+      else:
+        self.mixer = GatedDeltaNet(c.mixer(), rngs=rngs)
+    if self.has_mlp:
+      self.mlp_norm = norm()
+      mlp = SwiGLU if c.mlp_act == "swiglu" else ReluSquaredMLP
+      self.mlp = mlp(c.hidden_size, c.intermediate_size, dtype=c.dtype, rngs=rngs)
 
 
 class LM(nnx.Module):
@@ -173,16 +216,24 @@ class LM(nnx.Module):
     self.config = c = config
     self.embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs)
     self.blocks = nnx.List([Block(c, rngs=rngs, layer_type=t) for t in c.layer_types])
-    self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype)
+    self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype, offset=c.norm_offset)
     self.head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=c.dtype,
                            param_dtype=c.dtype, rngs=rngs)
+    # Mesh axis over which mixer outputs are partial sums (set on the per-device model that
+    # ``shard_model`` builds: its mixers hold the local heads, so out_proj gives partial sums).
+    self.tp_axis = None
+
+  @property
+  def mixer_blocks(self) -> list:
+    """The blocks that have a mixer (and a cache entry), in order."""
+    return [b for b in self.blocks if b.has_mixer]
 
   def init_cache(self, num_slots: int, *, buffer_len: int = 16, state_dtype=jnp.float32,
                  ring_dtype=None) -> LMCache:
     """Zeroed cache for ``num_slots`` slots with ReplaySSM buffer length ``buffer_len``."""
     cursor = ReplayCursor.create(num_slots, buffer_len=buffer_len)
     layers = tuple(b.mixer.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype)
-                   for b in self.blocks)
+                   for b in self.mixer_blocks)
     return LMCache(layers=layers, cursor=cursor)
 
   def _check_tokens(self, name, tokens, ndim, what):
@@ -190,34 +241,56 @@ class LM(nnx.Module):
     _checks.expect_shape(name, tokens, (None,) * ndim, what)
 
   def _check_cache(self, cache):
-    if not isinstance(cache, LMCache) or len(cache.layers) != len(self.blocks):
-      raise ValueError(f"cache must be an LMCache with {len(self.blocks)} layers (from init_cache)")
+    n = len(self.mixer_blocks)
+    if not isinstance(cache, LMCache) or len(cache.layers) != n:
+      raise ValueError(f"cache must be an LMCache with {n} layer caches, one per mixer block "
+                       f"(from init_cache)")
 
-  def prefill(self, tokens, cache: LMCache, slots, lengths):
-    """Right-padded prompts from an empty state; writes the slots' caches and empties their windows.
+  def _mixed(self, y):
+    """A mixer output; on a tensor-parallel shard, the sum of the devices' partial outputs."""
+    return y if self.tp_axis is None else jax.lax.psum(y, self.tp_axis)
+
+  def _run_blocks(self, h, cache, mixer_fn):
+    """h through every block; ``mixer_fn(block, x, layer_cache) -> (y, layer_cache)``."""
+    caches, layers = iter(cache.layers), []
+    for block in self.blocks:
+      if block.has_mixer:
+        y, lc = mixer_fn(block, block.mixer_norm(h), next(caches))
+        h = h + self._mixed(y)
+        layers.append(lc)
+      if block.has_mlp:
+        h = h + block.mlp(block.mlp_norm(h))
+    return h, tuple(layers)
+
+  def prefill(self, tokens, cache: LMCache, slots, lengths, *, resume=False):
+    """Right-padded prompts; writes the slots' caches and empties their windows.
 
     Args:
       tokens: int32[B, T]; row b's real tokens are ``tokens[b, :lengths[b]]``.
       cache: LMCache.
       slots: int32[B] pool slots (negative = padding row).
       lengths: int32[B] in [0, T].
+      resume: False: every row starts from an empty state. True: row b continues its slot's
+        current sequence (exact state = checkpoint ⊕ window, and the stored conv inputs), e.g.
+        the rest of a prompt after a prefix-cache hit.
 
     Returns:
       (logits [B, T, vocab] float32 — only positions < lengths[b] are meaningful; cache).
     """
     self._check_tokens("tokens", tokens, 2, "(int32[B, T])")
     self._check_cache(cache)
-    h = self.embed(tokens)
-    layers = []
-    for block, lc in zip(self.blocks, cache.layers):
-      y, lc = block.mixer.prefill(block.mixer_norm(h), lc, slots, lengths)
-      h = h + y
-      h = h + block.mlp(block.mlp_norm(h))
-      layers.append(lc)
-    logits = self.head(self.final_norm(h)).astype(f32)
-    return logits, LMCache(layers=tuple(layers), cursor=cache.cursor.reset(slots))
+    ops = {GdnLayerCache: gdn, Mamba2LayerCache: mamba2}
 
-  def decode(self, tokens, cache: LMCache, slots, *, replay=True, implementation=None):
+    def mixer_fn(block, x, lc):
+      S0 = ops[type(lc)].materialize(lc.bufs, cache.cursor, slots) if resume else None
+      return block.mixer.prefill(x, lc, slots, lengths, initial_state=S0)
+
+    h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
+    logits = self.head(self.final_norm(h)).astype(f32)
+    return logits, LMCache(layers=layers, cursor=cache.cursor.reset(slots))
+
+  def decode(self, tokens, cache: LMCache, slots, *, replay=True, implementation=None,
+             force_flush=None):
     """One token per row: one shared plan for all layers, one commit (replay mode only).
 
     Args:
@@ -226,24 +299,25 @@ class LM(nnx.Module):
       slots: int32[B] pool slots (negative = padding row: no cache change, logits meaningless).
       replay: ReplaySSM decode (True) or conventional decode on the checkpoint pool (False).
       implementation: forwarded to the GDN / Mamba2 ops.
+      force_flush: optional bool[B]: these rows fold their window into the checkpoint this step
+        (e.g. at a prefix-cache block boundary), leaving an empty window. Replay mode only
+        matters; conventional mode always writes the state.
 
     Returns:
       (logits [B, vocab] float32, cache).
     """
     self._check_tokens("tokens", tokens, 1, "(int32[B])")
     self._check_cache(cache)
-    plan = cache.cursor.plan(slots)
-    h = self.embed(tokens)
-    layers = []
-    for block, lc in zip(self.blocks, cache.layers):
-      y, lc = block.mixer.decode(block.mixer_norm(h), lc, plan, replay=replay, implementation=implementation)
-      h = h + y
-      h = h + block.mlp(block.mlp_norm(h))
-      layers.append(lc)
+    plan = cache.cursor.plan(slots, force_flush=force_flush)
+
+    def mixer_fn(block, x, lc):
+      return block.mixer.decode(x, lc, plan, replay=replay, implementation=implementation)
+
+    h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
     logits = self.head(self.final_norm(h)).astype(f32)
     # Conventional mode never appends to the ring, so the windows stay empty and are not advanced.
     cursor = cache.cursor.commit(plan) if replay else cache.cursor
-    return logits, LMCache(layers=tuple(layers), cursor=cursor)
+    return logits, LMCache(layers=layers, cursor=cursor)
 
 
 def make_model(config: LMConfig | None = None, seed: int = 0) -> LM:

@@ -193,8 +193,9 @@ class Mamba2(nnx.Module):
 
   # ---- prefill -----------------------------------------------------------------------------
 
-  def prefill(self, x, cache: Mamba2LayerCache, slots, lengths, *, chunk_size=64):
-    """Runs right-padded prompts from an empty state and writes their slots' cache.
+  def prefill(self, x, cache: Mamba2LayerCache, slots, lengths, *, chunk_size=64, initial_state=None):
+    """Runs right-padded prompts (from an empty state, or continuing ``initial_state``) and
+    writes their slots' cache.
 
     Row b holds ``lengths[b]`` real tokens followed by padding. Padding is made inert: from
     position ``lengths[b]`` on, the op inputs are x = B = C = 0 and raw dt = ``PAD_DT`` (−1e4), so
@@ -212,6 +213,9 @@ class Mamba2(nnx.Module):
       slots: int32[B] pool slot per row (negative = padding row: nothing written).
       lengths: int32[B] real tokens per row, in [0, T].
       chunk_size: chunk length of ``mamba2.chunked``.
+      initial_state: None (start from an empty state) or float32 [B, H, P, N]: continue each row
+        from this state and from its slot's stored conv inputs (a prompt that extends the
+        slot's sequence, e.g. after a prefix-cache hit; ``LM.prefill(..., resume=True)``).
 
     Returns:
       (y [B, T, D] in the layer dtype, zeros at padded positions and on padding rows; cache).
@@ -222,7 +226,8 @@ class Mamba2(nnx.Module):
 
     z, xbc, dt = self._project(x)
     conv, conv_state = _conv.prefill(xbc, self.conv_weight[...], self.conv_bias[...],
-                                     cache.conv_state, slots, lengths)
+                                     cache.conv_state, slots, lengths,
+                                     resume=initial_state is not None)
 
     xs, B, C = self._split(jax.nn.silu(conv))
     mask = lambda u: jnp.where(real.reshape(real.shape + (1,) * (u.ndim - 2)), u, 0)
@@ -230,7 +235,7 @@ class Mamba2(nnx.Module):
     dt = jnp.where(real[..., None], dt.astype(f32), PAD_DT)
     A, D, dt_bias = self._ssm_params()
     y, S = mamba2.chunked(xs, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True,
-                          chunk_size=chunk_size)                          # y [B, T, H, P], S f32
+                          chunk_size=chunk_size, initial_state=initial_state)  # y [B, T, H, P]
     y = jnp.where(real[..., None], self._output(y, z), 0)
 
     bufs, _ = mamba2.write_state(cache.bufs, _conv.stand_in_cursor(cache.bufs), slots, S)

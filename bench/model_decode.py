@@ -1,0 +1,102 @@
+"""Model-level decode benchmark: a Qwen3.5-4B-like GatedDeltaNet stack, replay vs conventional.
+
+Stack: hidden 2560, Hk 16, Hv 32, K = V = 128, 8 GDN layers each with a SwiGLU MLP (9216), vocab
+32768 (smaller than Qwen3.5's so the head does not dominate; the mixers are what differ), random
+weights, bf16 parameters and ring, float32 state. For each batch size B the decode loop
+(``LM.decode`` + greedy argmax fed back) runs inside one ``jax.jit`` (``lax.fori_loop`` over full
+flush cycles of L steps, cache donated); rows start at staggered cursor phases (row b has b mod
+(L-1) pending zero entries, an exact state), so every step has a mix of flushing and non-flushing
+rows. ``bench.common.time_loop`` warms up, calibrates and reports the median / p20 / p80 per step.
+
+    python -m bench.model_decode                      # GPU: B = 1, 32, 128, 256
+    python -m bench.model_decode --smoke              # CPU: tiny stack, B = 1, 4
+"""
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bench import common
+from replayssm_jax.models import LMConfig, make_model
+
+QWEN35_4B_LIKE = dict(vocab_size=32768, hidden_size=2560, num_layers=8, num_k_heads=16, num_v_heads=32,
+                      head_k_dim=128, head_v_dim=128, intermediate_size=9216, max_prompt_len=16)
+SMOKE = dict(vocab_size=256, hidden_size=64, num_layers=2, num_k_heads=2, num_v_heads=4, head_k_dim=16,
+             head_v_dim=16, intermediate_size=128, max_prompt_len=16)
+
+
+def _loop(graphdef, *, replay, buffer_len, implementation):
+  def run(params, carry, n):
+    model = nnx.merge(graphdef, params)
+    slots = jnp.arange(carry[0].shape[0], dtype=jnp.int32)
+
+    def step(_, c):
+      tok, cache = c
+      logits, cache = model.decode(tok, cache, slots, replay=replay, implementation=implementation)
+      return jnp.argmax(logits, -1).astype(jnp.int32), cache
+    return jax.lax.fori_loop(0, n * buffer_len, step, carry)
+  return jax.jit(run, donate_argnums=(1,), static_argnums=(2,))
+
+
+def measure(model, batch, *, replay, buffer_len, reps, rep_seconds, implementation):
+  graphdef, params = nnx.split(model)
+  cache = model.init_cache(batch, buffer_len=buffer_len, ring_dtype=jnp.bfloat16)
+  count = (jnp.arange(batch, dtype=jnp.int32) % max(1, buffer_len - 1)) if replay else cache.cursor.count
+  cache = cache.replace(cursor=cache.cursor.replace(count=count))
+  fn = _loop(graphdef, replay=replay, buffer_len=buffer_len, implementation=implementation)
+  carry = (jnp.ones((batch,), jnp.int32), cache)
+  _, timing = common.time_loop(lambda c, n: fn(params, c, n), carry, reps=reps, rep_seconds=rep_seconds)
+  per_step_ms = [1e3 * t / buffer_len for t in timing.per_cycle()]
+  med, p20, p80 = common.quantiles(per_step_ms)
+  return {"mode": "replay" if replay else "conventional", "batch": batch, "buffer_len": buffer_len,
+          "ms_per_step": per_step_ms, "median_ms": med, "p20_ms": p20, "p80_ms": p80,
+          "tokens_per_s": batch / (med / 1e3), "n_cycles": timing.n_cycles}
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(prog="python -m bench.model_decode", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--smoke", action="store_true", help="tiny stack for CPU")
+  parser.add_argument("--batches", default=None, help="comma-separated batch sizes")
+  parser.add_argument("--buffer-len", type=int, default=16)
+  parser.add_argument("--reps", type=int, default=None)
+  parser.add_argument("--rep-seconds", type=float, default=None)
+  parser.add_argument("--implementation", default=None)
+  parser.add_argument("--out-json", default=None)
+  parser.add_argument("--markdown", default=None, help="write the table to this markdown file")
+  args = parser.parse_args(argv)
+  geometry = SMOKE if args.smoke else QWEN35_4B_LIKE
+  batches = [int(b) for b in (args.batches or ("1,4" if args.smoke else "1,32,128,256")).split(",")]
+  reps = args.reps or (5 if args.smoke else 7)
+  rep_seconds = args.rep_seconds if args.rep_seconds is not None else (0.02 if args.smoke else 0.5)
+  dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  model = make_model(LMConfig(**geometry, dtype=dtype), seed=0)
+  rows = []
+  for batch in batches:
+    pair = [measure(model, batch, replay=r, buffer_len=args.buffer_len, reps=reps, rep_seconds=rep_seconds,
+                    implementation=args.implementation) for r in (False, True)]
+    pair[1]["speedup_vs_conv"] = pair[0]["median_ms"] / pair[1]["median_ms"]
+    rows += pair
+    common.log(f"B={batch}: conventional {pair[0]['median_ms']:.3f} ms/step, replay "
+               f"{pair[1]['median_ms']:.3f} ms/step ({pair[1]['speedup_vs_conv']:.2f}x)")
+  headers = ["B", "mode", "ms/step (median)", "p20", "p80", "tokens/s", "speed-up"]
+  table = common.render_table(headers, [[str(r["batch"]), r["mode"], f"{r['median_ms']:.3f}", f"{r['p20_ms']:.3f}",
+                                         f"{r['p80_ms']:.3f}", f"{r['tokens_per_s']:.0f}",
+                                         common.fmt_float(r.get("speedup_vs_conv"), ".2f")] for r in rows],
+                              markdown=True)
+  print(table)
+  result = {"meta": common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.model_decode"),
+            "geometry": geometry, "dtype": jnp.dtype(dtype).name, "rows": rows}
+  if args.out_json:
+    pathlib.Path(args.out_json).write_text(json.dumps(common.to_jsonable(result), indent=1))
+  if args.markdown:
+    pathlib.Path(args.markdown).write_text("## Model decode (Qwen3.5-4B-like GDN stack)\n\n" + table + "\n")
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,192 @@
+"""Tensor parallelism over heads: ``sharded = shard_model(model, mesh, axis="tp")``.
+
+Every mixer's heads are split evenly over the mesh axis (``jax.shard_map``): device d holds key
+heads ``[d·Hk/tp, (d+1)·Hk/tp)`` and the value heads that read them (Mamba2: heads and B/C groups
+likewise), so each device runs an ordinary ``LM`` built for the local head counts and the GDN /
+Mamba2 kernels see local heads only. Per mixer:
+
+* column-parallel: ``in_proj`` columns and the conv channels (q|k|v|z|b|a for GDN, z|x|B|C|dt for
+  Mamba2) are regrouped device-major (each device's slice of every group, contiguous), per-head
+  vectors (``A_log``, ``dt_bias``, ``D``, Mamba2 ``norm_weight``) split by head;
+* row-parallel: ``out_proj`` rows split by head, the partial outputs summed with ``psum``;
+* replicated: embedding, norms, MLPs, head, the GDN gated-norm weight and the cursor.
+
+The cache is sharded the same way: checkpoints and rings on their head axis, the conv state on
+its (device-major) channel axis. ``shard_cache`` / ``unshard_cache`` convert between the
+unsharded model's cache layout and the sharded one. Outputs equal the unsharded model's up to
+float summation order (``psum`` of per-device partial ``out_proj`` products).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from replayssm_jax.models.lm import LM, LMCache
+
+
+def _regroup(x, dim, sizes, tp, *, to_device_major):
+  """Splits ``dim`` into consecutive groups of ``sizes``; natural order (group-major) ↔
+  device-major order (each device's 1/tp of every group, device by device)."""
+  if to_device_major:
+    groups = np.split(np.arange(x.shape[dim]), np.cumsum(sizes)[:-1])
+    order = np.concatenate([g.reshape(tp, -1)[d] for d in range(tp) for g in groups])
+  else:
+    order = np.argsort(_regroup(np.arange(x.shape[dim]), 0, sizes, tp, to_device_major=True))
+  return jnp.take(x, jnp.asarray(order), axis=dim)
+
+
+class ShardedLM:
+  """An LM whose mixer heads are sharded over ``mesh`` axis ``axis`` (see the module docstring).
+
+  ``prefill`` / ``decode`` have the signatures of ``LM.prefill`` / ``LM.decode`` and take and
+  return a sharded cache (from ``init_cache`` or ``shard_cache``); they are jitted with the cache
+  donated.
+  """
+
+  def __init__(self, model: LM, mesh, axis: str):
+    c = model.config
+    if axis not in mesh.axis_names:
+      raise ValueError(f"axis={axis!r} is not an axis of the mesh {mesh.axis_names}")
+    tp = mesh.shape[axis]
+    types = set(c.layer_types)
+    local = {}
+    checks = []
+    if "gdn" in types:
+      checks += [("num_k_heads", c.num_k_heads)]
+      local.update(num_k_heads=c.num_k_heads // tp, num_v_heads=c.num_v_heads // tp)
+    if "mamba2" in types:
+      checks += [("mamba2_num_heads", c.mamba2_num_heads), ("mamba2_num_groups", c.mamba2_num_groups)]
+      local.update(mamba2_num_heads=c.mamba2_num_heads // tp, mamba2_num_groups=c.mamba2_num_groups // tp)
+    for name, value in checks:
+      if value % tp:
+        raise ValueError(f"{name}={value} is not a multiple of the mesh axis {axis!r} size {tp}; "
+                         f"heads (and Mamba2 groups) must split evenly over the devices")
+    self.model, self.mesh, self.axis, self.tp = model, mesh, axis, tp
+    self.local_config = dataclasses.replace(c, **local)
+    local_model = nnx.eval_shape(lambda: LM(self.local_config, rngs=nnx.Rngs(0)))
+    local_model.tp_axis = axis
+    self._graphdef, local_state = nnx.split(local_model)
+    _, full_state = nnx.split(model)
+    leaves, specs = [], []
+    for path, x in jax.tree_util.tree_leaves_with_path(full_state):
+      value, spec = self._param(path, x)
+      leaves.append(jax.device_put(value, NamedSharding(mesh, spec)))
+      specs.append(spec)
+    treedef = jax.tree.structure(local_state)
+    self.params = jax.tree.unflatten(treedef, leaves)
+    self._param_specs = jax.tree.unflatten(treedef, specs)
+    self._steps = {}
+
+  # ---- layouts -------------------------------------------------------------------------------
+
+  def _groups(self, kind, what):
+    """Group sizes of a mixer's column-parallel axis ``what`` ("in_proj" or "conv")."""
+    c = self.model.config
+    if kind == "gdn":
+      kd, vd = c.num_k_heads * c.head_k_dim, c.num_v_heads * c.head_v_dim
+      conv = [kd, kd, vd]
+      return conv + [vd, c.num_v_heads, c.num_v_heads] if what == "in_proj" else conv
+    m = c.mamba2_mixer()
+    gn = m.num_groups * m.state_dim
+    conv = [m.inner_dim, gn, gn]
+    return [m.inner_dim] + conv + [m.num_heads] if what == "in_proj" else conv
+
+  def _param(self, path, x):
+    """(global value, PartitionSpec) of one parameter of the unsharded model."""
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]  # drops the trailing .value
+    if "mixer" not in keys:
+      return x, P()
+    kind = self.model.blocks[keys[keys.index("blocks") + 1]].layer_type
+    name = "/".join(str(k) for k in keys[keys.index("mixer") + 1:])
+    a = self.axis
+    if name == "in_proj/kernel":
+      return _regroup(x, 1, self._groups(kind, "in_proj"), self.tp, to_device_major=True), P(None, a)
+    if name == "conv_weight":
+      return _regroup(x, 1, self._groups(kind, "conv"), self.tp, to_device_major=True), P(None, a)
+    if name == "conv_bias":
+      return _regroup(x, 0, self._groups(kind, "conv"), self.tp, to_device_major=True), P(a)
+    if name == "out_proj/kernel":
+      return x, P(a, None)
+    if name == "norm_weight" and kind == "gdn":
+      return x, P()                                  # [V], shared by every value head
+    return x, P(a)                                   # A_log, dt_bias, D, Mamba2 norm_weight
+
+  def _cache_specs(self, cache):
+    a = self.axis
+    layers = []
+    for lc in cache.layers:
+      bufs = jax.tree.map(lambda _: P(None, a), lc.bufs)
+      layers.append(lc.replace(conv_state=P(None, None, a), bufs=bufs))
+    return LMCache(layers=tuple(layers), cursor=jax.tree.map(lambda _: P(), cache.cursor))
+
+  def _convert_cache(self, cache, *, to_sharded):
+    kinds = [b.layer_type for b in self.model.mixer_blocks]
+    layers = []
+    for kind, lc in zip(kinds, cache.layers):
+      conv = _regroup(lc.conv_state, 2, self._groups(kind, "conv"), self.tp, to_device_major=to_sharded)
+      layers.append(lc.replace(conv_state=conv))
+    return cache.replace(layers=tuple(layers))
+
+  def shard_cache(self, cache: LMCache) -> LMCache:
+    """An unsharded model's cache → the sharded layout, placed on the mesh."""
+    cache = self._convert_cache(cache, to_sharded=True)
+    specs = self._cache_specs(cache)
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), cache, specs)
+
+  def unshard_cache(self, cache: LMCache) -> LMCache:
+    """A sharded cache → the unsharded model's layout (single-device arrays)."""
+    cache = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), cache)
+    return self._convert_cache(cache, to_sharded=False)
+
+  def init_cache(self, num_slots: int, **kwargs) -> LMCache:
+    """``LM.init_cache`` of the unsharded model, sharded."""
+    return self.shard_cache(self.model.init_cache(num_slots, **kwargs))
+
+  # ---- steps ---------------------------------------------------------------------------------
+
+  def _run(self, method, cache, batch_args, **static):
+    key = (method, tuple(sorted(static.items())))
+    if key not in self._steps:
+      self._steps[key] = _sharded_step(self._graphdef, self.mesh, method, static, self._param_specs,
+                                       self._cache_specs(cache), len(batch_args))
+    return self._steps[key](self.params, cache, *batch_args)
+
+  def prefill(self, tokens, cache, slots, lengths, *, resume=False):
+    """``LM.prefill`` on the mesh: (logits [B, T, vocab] replicated, sharded cache)."""
+    return self._run("prefill", cache, (tokens, slots, lengths), resume=resume)
+
+  def decode(self, tokens, cache, slots, *, replay=True, implementation=None, force_flush=None):
+    """``LM.decode`` on the mesh: (logits [B, vocab] replicated, sharded cache)."""
+    if force_flush is None:
+      force_flush = jnp.zeros(slots.shape, bool)
+    return self._run("decode", cache, (tokens, slots, force_flush), replay=replay,
+                     implementation=implementation)
+
+
+def _sharded_step(graphdef, mesh, method, static, param_specs, cache_specs, n_batch):
+  """jit(shard_map(LM.prefill or LM.decode of the per-device model)), cache donated."""
+
+  def body(params, cache, *batch):
+    model = nnx.merge(graphdef, params)
+    if method == "prefill":
+      tokens, slots, lengths = batch
+      return model.prefill(tokens, cache, slots, lengths, **static)
+    tokens, slots, force = batch
+    return model.decode(tokens, cache, slots, force_flush=force, **static)
+
+  # check_vma=False: the scans of the reference ops start from invariant zeros and carry
+  # head-sharded (varying) values; the logits are replicated by construction (psum, then
+  # replicated MLP and head).
+  f = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, cache_specs) + (P(),) * n_batch,
+                    out_specs=(P(), cache_specs), check_vma=False)
+  return jax.jit(f, donate_argnums=(1,))
+
+
+def shard_model(model: LM, mesh, *, axis: str = "tp") -> ShardedLM:
+  """Shards ``model``'s mixer heads over ``mesh`` axis ``axis`` (see ``ShardedLM``)."""
+  if not isinstance(model, LM):
+    raise ValueError(f"model must be a replayssm_jax.models.LM; got {type(model).__name__}")
+  return ShardedLM(model, mesh, axis)

@@ -1,0 +1,464 @@
+"""A continuous-batching decode engine over one slot pool (host scheduler + jitted steps).
+
+Pool layout: slots ``[0, max_running)`` hold running requests, slots ``[max_running,
+max_running + prefix_slots)`` hold prefix snapshots. Each engine ``step()``:
+
+1. admits waiting requests into free slots: prefill (one jitted ``LM.prefill`` per request, prompt
+   padded to a fixed width, so one compilation) and the first token from the prefill logits;
+2. runs ONE decode token for every running request in a fixed batch bucket (the smallest of
+   ``batch_buckets`` that holds them; the other rows are padding rows, slot −1), so there is one
+   compiled step per bucket whatever requests join, finish or sit in which slot;
+3. retires requests that hit a stop token or ``max_new_tokens``; their slots are free at once.
+
+Prefix caching (``prefix_block > 0``): a prompt is prefilled in blocks of ``prefix_block`` tokens
+(``LM.prefill(..., resume=True)`` continues a slot's sequence) and after each full block the slot is
+snapshotted into a prefix slot (``copy_slots`` of every layer plus its conv state), keyed by the
+token prefix. During decode, a row whose sequence reaches a block boundary gets a *forced flush*
+(``cursor.plan(force_flush=...)`` through ``LM.decode``) so its checkpoint is exactly the state
+there with an empty ring window, then it is snapshotted too. A later request whose prompt starts
+with a cached prefix (at least one token must remain to produce logits) copies the snapshot into
+its slot and prefills only the rest. Snapshots are evicted least-recently-used. If caching is on,
+prompts were looked up, and nothing ever hit, ``run()`` warns (``RuntimeWarning`` + log).
+
+Preemption: ``preempt(directory)`` writes params and cache with Orbax (``StandardCheckpointer``)
+plus the host scheduler state (requests, slots, snapshots, clocks) as JSON and closes the engine;
+``Engine.resume(directory)`` rebuilds it and continues bit for bit: the same compiled programs
+see the same arrays.
+
+Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
+request, so tokens never depend on the batch a request shares. Stats per request: prompt and
+generated tokens, prefix-hit tokens, time to first token, decode tokens/s (engine clock: time
+spent preempted is not counted).
+"""
+import collections
+import dataclasses
+import json
+import logging
+import pathlib
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from replayssm_jax import gdn
+from replayssm_jax import mamba2
+from replayssm_jax.models.gated_deltanet import GdnLayerCache
+from replayssm_jax.models.lm import LM, LMConfig
+
+logger = logging.getLogger(__name__)
+PAD_TOKEN = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """Engine shape and policy.
+
+  Attributes:
+    max_running: request slots: how many requests decode at once.
+    batch_buckets: decode batch sizes, increasing; the last must be >= max_running. Each bucket
+      is one compiled decode step.
+    buffer_len: ReplaySSM buffer length L (checkpoint written every L tokens).
+    replay: ReplaySSM decode (True) or conventional decode (False).
+    prefix_block: prefix-cache block in tokens; 0 turns prefix caching off.
+    prefix_slots: pool slots for prefix snapshots (>= 1 when prefix_block > 0).
+    max_prompt_len: longest prompt accepted; None = the model's ``config.max_prompt_len``.
+    state_dtype, ring_dtype: cache dtypes (see ``LM.init_cache``).
+    implementation: forwarded to the GDN / Mamba2 ops (None = fastest available).
+  """
+  max_running: int = 4
+  batch_buckets: tuple = (1, 2, 4)
+  buffer_len: int = 16
+  replay: bool = True
+  prefix_block: int = 0
+  prefix_slots: int = 0
+  max_prompt_len: int | None = None
+  state_dtype: str = "float32"
+  ring_dtype: str | None = None
+  implementation: str | None = None
+
+  def __post_init__(self):
+    for name, lo in (("max_running", 1), ("buffer_len", 1), ("prefix_block", 0), ("prefix_slots", 0)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name}={value!r}; expected an int >= {lo}")
+    buckets = tuple(self.batch_buckets)
+    if (not buckets or any(not isinstance(b, int) or b < 1 for b in buckets)
+        or list(buckets) != sorted(set(buckets)) or buckets[-1] < self.max_running):
+      raise ValueError(f"batch_buckets={self.batch_buckets!r}; expected increasing ints >= 1 whose "
+                       f"last entry is >= max_running = {self.max_running}")
+    object.__setattr__(self, "batch_buckets", buckets)
+    if self.prefix_block and not self.prefix_slots:
+      raise ValueError(f"prefix_block={self.prefix_block} with prefix_slots=0; expected prefix_slots "
+                       f">= 1 to hold the snapshots")
+    if self.max_prompt_len is not None and (not isinstance(self.max_prompt_len, int) or self.max_prompt_len < 1):
+      raise ValueError(f"max_prompt_len={self.max_prompt_len!r}; expected None or an int >= 1")
+    if not isinstance(self.replay, bool):
+      raise ValueError(f"replay={self.replay!r}; expected a bool")
+
+  @property
+  def num_slots(self) -> int:
+    """Pool size N = request slots + prefix snapshot slots."""
+    return self.max_running + self.prefix_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestStats:
+  """Per-request statistics (seconds on the engine clock)."""
+  request_id: str
+  slot: int
+  prompt_tokens: int
+  generated_tokens: int
+  prefix_hit_tokens: int
+  time_to_first_token_s: float
+  decode_tokens_per_s: float
+  total_s: float
+
+
+@dataclasses.dataclass
+class _Request:
+  rid: str
+  prompt: list
+  max_new_tokens: int
+  stop_tokens: list
+  temperature: float
+  seed: int
+  t_submit: float
+  slot: int = -1
+  generated: list = dataclasses.field(default_factory=list)
+  done: bool = False
+  prefix_hit: int = 0
+  t_first: float | None = None
+  t_done: float | None = None
+
+
+def _sample(logits, temps, seeds, positions):
+  """logits [B, vocab] → int32[B]: argmax where temps == 0, else categorical(logits / T) with
+  key fold_in(PRNGKey(seed), position) per row."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  safe = jnp.where(temps > 0, temps, 1.0)
+
+  def draw(row, t, seed, pos):
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), pos)
+    return jax.random.categorical(key, row / t).astype(jnp.int32)
+  sampled = jax.vmap(draw)(logits, safe, seeds, positions)
+  return jnp.where(temps > 0, sampled, greedy)
+
+
+def _prefill_impl(graphdef, params, cache, tokens, slots, lengths, temps, seeds, *, resume):
+  model = nnx.merge(graphdef, params)
+  logits, cache = model.prefill(tokens, cache, slots, lengths, resume=resume)
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  return _sample(last, temps, seeds, jnp.zeros_like(seeds)), cache
+
+
+def _decode_impl(graphdef, params, cache, tokens, slots, force, temps, seeds, positions, *, replay,
+                 implementation):
+  model = nnx.merge(graphdef, params)
+  logits, cache = model.decode(tokens, cache, slots, replay=replay, implementation=implementation,
+                               force_flush=force)
+  return _sample(logits, temps, seeds, positions), cache
+
+
+def _copy_impl(cache, src, dst):
+  """Every layer's buffers + conv state and the cursor of slot src[0] → dst[0]."""
+  layers, cursor = [], cache.cursor
+  for lc in cache.layers:
+    ops = gdn if isinstance(lc, GdnLayerCache) else mamba2
+    bufs, cur = ops.copy_slots(lc.bufs, cache.cursor, src, dst)
+    conv = lc.conv_state.at[dst].set(lc.conv_state[src])
+    layers.append(lc.replace(bufs=bufs, conv_state=conv))
+    cursor = cur
+  return cache.replace(layers=tuple(layers), cursor=cursor)
+
+
+_prefill_jit = jax.jit(_prefill_impl, donate_argnames=("cache",), static_argnames=("graphdef", "resume"))
+_decode_jit = jax.jit(_decode_impl, donate_argnames=("cache",),
+                      static_argnames=("graphdef", "replay", "implementation"))
+_copy_jit = jax.jit(_copy_impl, donate_argnames=("cache",))
+
+
+class Engine:
+  """Continuous batching over a slot pool (see the module docstring).
+
+  Usage::
+
+      engine = Engine(model, EngineConfig(max_running=4, batch_buckets=(1, 2, 4)))
+      rid = engine.submit([1, 2, 3], max_new_tokens=32)
+      tokens = engine.run()[rid]          # or engine.step() in your own loop
+      engine.stats(rid)                   # RequestStats
+  """
+
+  def __init__(self, model: LM, config: EngineConfig | None = None, *, _cache=None):
+    if not isinstance(model, LM):
+      raise ValueError(f"model must be a replayssm_jax.models.LM; got {type(model).__name__}")
+    config = EngineConfig() if config is None else config
+    if not isinstance(config, EngineConfig):
+      raise ValueError(f"config must be an EngineConfig; got {type(config).__name__}")
+    self.model, self.config = model, config
+    self.max_prompt_len = config.max_prompt_len or model.config.max_prompt_len
+    if config.prefix_block and config.prefix_block > self.max_prompt_len:
+      raise ValueError(f"prefix_block={config.prefix_block} exceeds max_prompt_len={self.max_prompt_len}")
+    self._graphdef, self._params = nnx.split(model)
+    self._cache = _cache if _cache is not None else model.init_cache(
+        config.num_slots, buffer_len=config.buffer_len, state_dtype=jnp.dtype(config.state_dtype),
+        ring_dtype=None if config.ring_dtype is None else jnp.dtype(config.ring_dtype))
+    self._requests: dict[str, _Request] = {}
+    self._waiting: collections.deque = collections.deque()
+    self._running: list[str] = []
+    self._free = list(range(config.max_running))
+    self._snapshots: collections.OrderedDict = collections.OrderedDict()   # prefix tuple → slot
+    self._free_snapshots = list(range(config.max_running, config.num_slots))
+    self.prefix_lookups = self.prefix_hits = self.steps = 0
+    self._warned = False
+    self._clock_base, self._t0 = 0.0, time.perf_counter()
+    self._closed = False
+
+  # ---- public API ----------------------------------------------------------------------------
+
+  def submit(self, prompt, *, max_new_tokens: int, stop_tokens=(), temperature: float = 0.0,
+             seed: int = 0, request_id: str | None = None) -> str:
+    """Queues a request; returns its id. ``prompt``: token ids (1 to max_prompt_len of them)."""
+    self._check_open()
+    prompt = [int(t) for t in np.asarray(prompt).reshape(-1)]
+    vocab = self.model.config.vocab_size
+    if not 1 <= len(prompt) <= self.max_prompt_len:
+      raise ValueError(f"prompt has {len(prompt)} tokens; expected 1 to max_prompt_len = "
+                       f"{self.max_prompt_len} (EngineConfig.max_prompt_len / LMConfig.max_prompt_len)")
+    if min(prompt) < 0 or max(prompt) >= vocab:
+      raise ValueError(f"prompt holds ids in [{min(prompt)}, {max(prompt)}]; expected [0, {vocab})")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={max_new_tokens!r}; expected an int >= 1")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+      raise ValueError(f"temperature={temperature!r}; expected a float >= 0")
+    stops = [int(s) for s in stop_tokens]
+    if any(not 0 <= s < vocab for s in stops):
+      raise ValueError(f"stop_tokens={stops}; expected ids in [0, {vocab})")
+    rid = request_id if request_id is not None else f"req{len(self._requests)}"
+    if rid in self._requests:
+      raise ValueError(f"request_id={rid!r} was already submitted")
+    self._requests[rid] = _Request(rid=rid, prompt=prompt, max_new_tokens=max_new_tokens,
+                                   stop_tokens=stops, temperature=float(temperature), seed=int(seed),
+                                   t_submit=self._clock())
+    self._waiting.append(rid)
+    return rid
+
+  @property
+  def idle(self) -> bool:
+    """No request waiting or running."""
+    return not self._waiting and not self._running
+
+  def step(self) -> list:
+    """Admits waiting requests, decodes one token for every running request; returns the ids
+    that finished during this step."""
+    self._check_open()
+    finished = self._admit()
+    if self._running:
+      finished += self._decode()
+    self.steps += 1
+    return finished
+
+  def run(self, *, progress=None) -> dict:
+    """Steps until idle; returns {request id: generated token ids} for every request so far.
+
+    ``progress``: an optional callable ``progress(num_finished_this_step)`` (e.g. a tqdm bar's
+    ``update``)."""
+    while not self.idle:
+      done = self.step()
+      if progress is not None:
+        progress(len(done))
+    self._warn_if_cache_useless()
+    return self.outputs()
+
+  def outputs(self) -> dict:
+    """{request id: generated token ids so far}."""
+    return {rid: list(r.generated) for rid, r in self._requests.items()}
+
+  def stats(self, request_id: str) -> RequestStats:
+    r = self._requests[request_id]
+    end = r.t_done if r.t_done is not None else self._clock()
+    ttft = (r.t_first - r.t_submit) if r.t_first is not None else float("nan")
+    decode_s = end - r.t_first if r.t_first is not None else 0.0
+    rate = (len(r.generated) - 1) / decode_s if decode_s > 0 and len(r.generated) > 1 else float("nan")
+    return RequestStats(request_id=r.rid, slot=r.slot, prompt_tokens=len(r.prompt),
+                        generated_tokens=len(r.generated), prefix_hit_tokens=r.prefix_hit,
+                        time_to_first_token_s=ttft, decode_tokens_per_s=rate, total_s=end - r.t_submit)
+
+  @property
+  def cache(self):
+    """The LMCache (pool of ``config.num_slots`` slots). Donated on each step: do not keep it."""
+    return self._cache
+
+  # ---- scheduling ----------------------------------------------------------------------------
+
+  def _clock(self) -> float:
+    return self._clock_base + time.perf_counter() - self._t0
+
+  def _check_open(self):
+    if self._closed:
+      raise RuntimeError("this engine was preempted; continue with Engine.resume(directory)")
+
+  def _admit(self) -> list:
+    finished = []
+    while self._waiting and self._free:
+      rid = self._waiting.popleft()
+      r = self._requests[rid]
+      r.slot = self._free.pop(0)
+      first = self._prefill(r)
+      r.t_first = self._clock()
+      if self._append(r, first):
+        finished.append(rid)
+      else:
+        self._running.append(rid)
+    return finished
+
+  def _rows(self, values, width, fill, dtype):
+    out = np.full((width,), fill, dtype)
+    out[:len(values)] = values
+    return jnp.asarray(out)
+
+  def _prefill(self, r: _Request) -> int:
+    cfg, p = self.config, r.prompt
+    temps, seeds = jnp.array([r.temperature], jnp.float32), jnp.array([r.seed], jnp.int32)
+    slots = jnp.array([r.slot], jnp.int32)
+    if not cfg.prefix_block:
+      return self._prefill_chunk(p, self.max_prompt_len, slots, temps, seeds, resume=False)
+    block, start = cfg.prefix_block, 0
+    self.prefix_lookups += 1
+    for k in range((len(p) - 1) // block * block, 0, -block):
+      hit = self._snapshots.get(tuple(p[:k]))
+      if hit is not None:
+        self._snapshots.move_to_end(tuple(p[:k]))
+        self._cache = _copy_jit(self._cache, jnp.array([hit], jnp.int32), slots)
+        self.prefix_hits += 1
+        r.prefix_hit = start = k
+        break
+    tok = None
+    for s in range(start, len(p), block):
+      tok = self._prefill_chunk(p[s:s + block], block, slots, temps, seeds, resume=s > 0)
+      if s + block <= len(p):
+        self._snapshot(r.slot, p[:s + block])
+    return tok
+
+  def _prefill_chunk(self, tokens, width, slots, temps, seeds, *, resume) -> int:
+    toks = self._rows(tokens, width, PAD_TOKEN, np.int32)[None]
+    tok, self._cache = _prefill_jit(self._graphdef, self._params, self._cache, toks, slots,
+                                    jnp.array([len(tokens)], jnp.int32), temps, seeds, resume=resume)
+    return int(tok[0])
+
+  def _snapshot(self, slot: int, prefix) -> None:
+    """Copies ``slot`` into a prefix slot keyed by ``prefix`` (LRU eviction)."""
+    key = tuple(prefix)
+    if key in self._snapshots or len(key) >= self.max_prompt_len:
+      return  # already cached, or no prompt could extend it
+    if not self._free_snapshots:
+      _, evicted = self._snapshots.popitem(last=False)
+      self._free_snapshots.append(evicted)
+    dst = self._free_snapshots.pop(0)
+    self._cache = _copy_jit(self._cache, jnp.array([slot], jnp.int32), jnp.array([dst], jnp.int32))
+    self._snapshots[key] = dst
+
+  def _decode(self) -> list:
+    cfg = self.config
+    reqs = [self._requests[rid] for rid in self._running]
+    width = next(b for b in cfg.batch_buckets if b >= len(reqs))
+    seqs = [r.prompt + r.generated for r in reqs]
+    force = [bool(cfg.prefix_block) and len(s) % cfg.prefix_block == 0
+             and len(s) < self.max_prompt_len and tuple(s) not in self._snapshots for s in seqs]
+    nxt, self._cache = _decode_jit(
+        self._graphdef, self._params, self._cache,
+        self._rows([r.generated[-1] for r in reqs], width, PAD_TOKEN, np.int32),
+        self._rows([r.slot for r in reqs], width, -1, np.int32),
+        self._rows(force, width, False, bool),
+        self._rows([r.temperature for r in reqs], width, 0.0, np.float32),
+        self._rows([r.seed for r in reqs], width, 0, np.int32),
+        self._rows([len(r.generated) for r in reqs], width, 0, np.int32),
+        replay=cfg.replay, implementation=cfg.implementation)
+    nxt = np.asarray(nxt)
+    for r, s, f in zip(reqs, seqs, force):
+      if f:
+        self._snapshot(r.slot, s)
+    finished = []
+    for i, r in enumerate(reqs):
+      if self._append(r, int(nxt[i])):
+        finished.append(r.rid)
+        self._running.remove(r.rid)
+    return finished
+
+  def _append(self, r: _Request, token: int) -> bool:
+    """Records a generated token; retires the request (frees its slot) when it is done."""
+    r.generated.append(token)
+    if token in r.stop_tokens or len(r.generated) >= r.max_new_tokens:
+      r.done, r.t_done = True, self._clock()
+      self._free.append(r.slot)
+      self._free.sort()
+      return True
+    return False
+
+  def _warn_if_cache_useless(self):
+    if self.config.prefix_block and self.prefix_lookups and not self.prefix_hits and not self._warned:
+      self._warned = True
+      msg = (f"prefix caching is on (prefix_block={self.config.prefix_block}, prefix_slots="
+             f"{self.config.prefix_slots}) but 0 of {self.prefix_lookups} prompt lookups hit: the "
+             f"snapshots cost copies and pool slots for nothing; turn it off (prefix_block=0) or "
+             f"share prompt prefixes of at least prefix_block tokens")
+      logger.warning(msg)
+      warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+  # ---- preemption ----------------------------------------------------------------------------
+
+  def preempt(self, directory) -> None:
+    """Writes params, cache (Orbax) and scheduler state (JSON) to ``directory``; closes the engine."""
+    import orbax.checkpoint as ocp
+    self._check_open()
+    path = pathlib.Path(directory).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path / "params", self._params)
+    ckptr.save(path / "cache", self._cache)
+    ckptr.wait_until_finished()
+    model_cfg = dataclasses.asdict(self.model.config) | {"dtype": jnp.dtype(self.model.config.dtype).name}
+    state = {
+        "model_config": model_cfg, "engine_config": dataclasses.asdict(self.config),
+        "requests": [dataclasses.asdict(r) for r in self._requests.values()],
+        "waiting": list(self._waiting), "running": self._running, "free": self._free,
+        "snapshots": [[list(k), v] for k, v in self._snapshots.items()],
+        "free_snapshots": self._free_snapshots, "clock": self._clock(),
+        "counters": [self.prefix_lookups, self.prefix_hits, self.steps, self._warned],
+    }
+    (path / "engine.json").write_text(json.dumps(state))
+    self._closed, self._cache = True, None
+
+  @classmethod
+  def resume(cls, directory) -> "Engine":
+    """Rebuilds a preempted engine (model, cache, requests) from ``directory`` and continues."""
+    import orbax.checkpoint as ocp
+    path = pathlib.Path(directory).absolute()
+    state = json.loads((path / "engine.json").read_text())
+    mc = state["model_config"]
+    mc["dtype"] = jnp.dtype(mc["dtype"])
+    mc["layer_types"] = tuple(mc["layer_types"])
+    model_config = LMConfig(**mc)
+    ec = state["engine_config"]
+    ec["batch_buckets"] = tuple(ec["batch_buckets"])
+    config = EngineConfig(**ec)
+    abstract = nnx.eval_shape(lambda: LM(model_config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract)
+    ckptr = ocp.StandardCheckpointer()
+    params = ckptr.restore(path / "params", abstract_params)
+    model = nnx.merge(graphdef, params)
+    abstract_cache = jax.eval_shape(lambda: model.init_cache(
+        config.num_slots, buffer_len=config.buffer_len, state_dtype=jnp.dtype(config.state_dtype),
+        ring_dtype=None if config.ring_dtype is None else jnp.dtype(config.ring_dtype)))
+    cache = ckptr.restore(path / "cache", abstract_cache)
+    engine = cls(model, config, _cache=cache)
+    engine._requests = {r["rid"]: _Request(**r) for r in state["requests"]}
+    engine._waiting = collections.deque(state["waiting"])
+    engine._running, engine._free = state["running"], state["free"]
+    engine._snapshots = collections.OrderedDict((tuple(k), v) for k, v in state["snapshots"])
+    engine._free_snapshots = state["free_snapshots"]
+    engine._clock_base, engine._t0 = state["clock"], time.perf_counter()
+    engine.prefix_lookups, engine.prefix_hits, engine.steps, engine._warned = state["counters"]
+    return engine
