@@ -18,7 +18,8 @@ module's choice through the public op).
 Method (DESIGN §8, notes/pallas-gpu.md "Calibration", .library/device/METHOD.md):
 
 * Layers. A step runs P layers, each with its own state (and ring) — well over the 60 MB L2:
-  P = max(2, ceil(--target-bytes / state bytes of one layer's pool)), so P·pool ≥ 1 GiB. Layers
+  P = max(--min-layers, ceil(--target-bytes / state bytes of one layer's pool)), so P·pool ≥ 1 GiB
+  and, like a model, at least 8 layers share each step's cursor plan and commit. Layers
   are disjoint slot ranges of one pool array (layer l uses slots l·N + s, N = B slots per layer):
   the same memory traffic as P separate arrays, and one compiled step for any P.
 * Steps. One ``jax.jit`` runs ``n`` cycles (a dynamic ``fori_loop``) of ``L`` steps (a static loop;
@@ -188,9 +189,10 @@ def donated_sizes(setup: "Setup") -> list[int]:
   return sizes
 
 
-def layers_for(geo: Geometry, batch: int, state_dtype: str, target_bytes: float, max_layers: int) -> int:
+def layers_for(geo: Geometry, batch: int, state_dtype: str, target_bytes: float, max_layers: int,
+               min_layers: int = 2) -> int:
   pool = batch * geo.hv * geo.vd * geo.kd * common.itemsize(state_dtype)
-  return int(min(max_layers, max(2, math.ceil(target_bytes / pool))))
+  return int(min(max_layers, max(min_layers, 2, math.ceil(target_bytes / pool))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,7 +532,7 @@ def plan_groups(args, geo: Geometry, pallas_error: str | None):
   groups = []
   for sdt in args.state_dtypes:
     for B in args.batches:
-      P = layers_for(geo, B, sdt, args.target_bytes, args.max_layers)
+      P = layers_for(geo, B, sdt, args.target_bytes, args.max_layers, args.min_layers)
       mk = lambda family, L: Setup(geo=geo, family=family, batch=B, layers=P, buffer_len=L,
                                    state_dtype=sdt, ring_dtype=args.ring_dtype, act_dtype=args.act_dtype,
                                    bank=args.bank, seed=args.seed)
@@ -902,6 +904,9 @@ def parse_args(argv):
   p.add_argument("--target-bytes", type=float, default=float(1 << 30),
                  help="P·(one layer's state pool) >= this (P >= 2)")
   p.add_argument("--max-layers", type=int, default=4096)
+  p.add_argument("--min-layers", type=int, default=8,
+                 help="P >= this: layers sharing one plan/commit per step, as in a model (Qwen3.5-4B "
+                      "has 24 GDN layers); the per-step cursor work is spread over them")
   p.add_argument("--bank", type=int, default=8, help="random input sets cycled through")
   p.add_argument("--conv-cycle", type=int, default=16, help="steps per cycle of the conventional arms")
   p.add_argument("--oracle-rows", type=int, default=4, help="rows checked against the float64 oracle")
@@ -926,7 +931,8 @@ def parse_args(argv):
   if args.smoke:
     defaults = p.parse_args([])
     smoke = dict(batches=[2], buffer_lens=[4], state_dtypes=["float32"], reps=5, rep_seconds=0.005,
-                 target_bytes=0.0, copy_bytes=float(8 << 20), bank=2, conv_cycle=4, max_layers=2)
+                 target_bytes=0.0, copy_bytes=float(8 << 20), bank=2, conv_cycle=4, max_layers=2,
+                 min_layers=2)
     for k, v in smoke.items():  # smoke sizes unless given explicitly
       if getattr(args, k) == getattr(defaults, k):
         setattr(args, k, v)

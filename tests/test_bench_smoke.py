@@ -112,3 +112,83 @@ def test_launch_config_strings():
                           "fold_num_warps": 2}
   with pytest.raises(ValueError, match="launch config"):
     common.parse_config("bv64x")
+
+
+@pytest.mark.slow
+def test_mamba2_smoke_run(tmp_path):
+  """``python -m bench.mamba2_decode --smoke`` end to end (one Pallas arm per family: interpreted
+  Pallas programs take seconds each to compile on CPU)."""
+  from bench import mamba2_decode  # noqa: PLC0415
+  out, md = tmp_path / "r.json", tmp_path / "RESULTS.md"
+  mamba2_decode.main(["--smoke", "--arms", "conv-pallas,replay-pallas-oo,replay-xla", "--repeat-arm",
+                      "none", "--out-json", str(out), "--markdown", "--results-md", str(md)])
+  data = json.loads(out.read_text())
+  assert data["meta"]["command"].startswith("python -m bench.mamba2_decode --smoke")
+  assert data["ceiling"]["gbps"] > 0 and {"conv", "replay"} <= set(data["bytes_model"])
+  rows = {r["label"]: r for r in data["rows"]}
+  assert set(rows) == {"conv-pallas", "replay-pallas-oo", "replay-xla"}
+  for r in rows.values():
+    for field in ROW_FIELDS:
+      assert field in r, (r["label"], field)
+    assert r["status"] == "ok", (r["label"], r["status"], r["error"], r.get("gate"), r.get("checks"))
+    assert r["gate"]["passed"] and r["gate"]["oracle_o_rel"] <= r["gate"]["tol_rel"]
+    assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+  oo = rows["replay-pallas-oo"]
+  assert oo["checks"]["cursor_count_back"] and oo["checks"]["cursor_base_advanced"]
+  assert oo["speedup_vs_conv"] > 0 and oo["speedup_vs_xla"] > 0
+  assert "## Mamba2 decode" in md.read_text()
+
+
+def test_mamba2_bytes_model_nemotron_super():
+  from bench import mamba2_decode  # noqa: PLC0415
+  geo = mamba2_decode.NEMOTRON_SUPER
+  io = (2 * 128 * 64 + 128 + 2 * 8 * 128) * 2 + 128 * 64 * 2  # x, z, dt, B, C (bf16), y
+  state = 128 * 64 * 128 * 4
+  conv = mamba2_decode.bytes_model(geo, "conv", None, "float32", "bfloat16", "bfloat16")
+  assert conv["total"] == io + 2 * state
+  entry = (128 * 64 + 8 * 128) * 2 + 128 * 4
+  rep = mamba2_decode.bytes_model(geo, "replay", 8, "float32", "bfloat16", "bfloat16")
+  assert rep["total"] == pytest.approx(io + state * (1 + 1 / 8) + entry * (7 / 2 + 1))
+
+
+def test_model_decode_smoke(tmp_path):
+  from bench import model_decode
+  out, md = tmp_path / "m.json", tmp_path / "m.md"
+  result = model_decode.main(["--smoke", "--reps", "2", "--rep-seconds", "0.01", "--out-json", str(out),
+                              "--markdown", str(md)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["batch"], r["mode"]) for r in rows] == [(1, "conventional"), (1, "replay"), (4, "conventional"),
+                                                      (4, "replay")]
+  for r in rows:
+    assert r["median_ms"] > 0 and r["tokens_per_s"] > 0 and len(r["ms_per_step"]) == 2
+  assert rows[1]["speedup_vs_conv"] > 0 and len(result["rows"]) == 4
+  assert "| replay |" in md.read_text()
+
+
+@pytest.mark.slow
+def test_verify_decode_smoke(tmp_path):
+  """``python -m bench.verify_decode --smoke``: all four GDN arms, honest steps, gate, speedups, memory."""
+  from bench import verify_decode  # noqa: PLC0415
+  out, md = tmp_path / "v.json", tmp_path / "v.md"
+  result = verify_decode.main(["--smoke", "--out-json", str(out), "--markdown", str(md)])
+  data = json.loads(out.read_text())
+  assert data["meta"]["command"].startswith("python -m bench.verify_decode --smoke")
+  rows = {r["arm"]: r for r in data["rows"]}
+  assert set(rows) == set(verify_decode.ARMS) and len(result["rows"]) == 4
+  for r in rows.values():
+    assert r["status"] == "ok", (r["arm"], r["status"], r["error"], r.get("gate"))
+    assert r["gate"]["o_rel_vs_xla"] <= r["gate"]["tol_rel"]
+    assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+  assert rows["replay-pallas"]["speedup_vs_conv"] > 0 and rows["replay-xla"]["speedup_vs_conv"] > 0
+  assert "## Memory per request and layer" in md.read_text()
+
+
+def test_verify_memory_model_qwen35_4b():
+  """Checkpoint + rings (R = next_pow2(16 + 7) = 32, bf16 ring) vs T + 1 f32 states at T = 8."""
+  from bench import verify_decode  # noqa: PLC0415
+  mem = verify_decode.memory_per_request(verify_decode.FAMILIES["gdn"], 8, 16, "float32", "bfloat16")
+  state = 32 * 128 * 128 * 4
+  rings = 16 * 32 * 128 * 2 + 32 * 32 * 128 * 2 + 32 * 32 * 4
+  assert mem["ring_size"] == 32 and mem["replay"] == state + rings
+  assert mem["conv_t_plus_1"] == 9 * state
+  assert mem["ratio_vs_t_plus_1"] == pytest.approx(0.1322, abs=1e-3)   # issue 4: <= 35 %
