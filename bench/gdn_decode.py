@@ -10,7 +10,9 @@ bf16 (``--ring-dtype``), state float32 and/or bfloat16 (``--state-dtypes``).
 
 Arms (``--arms``): ``conv-pallas`` (rs.gdn.decode, pallas_triton), ``replay-pallas-oo`` /
 ``replay-pallas-rc`` (rs.gdn.replay_decode, pallas_triton, route output_only / reconstruct),
-``conv-xla``, ``replay-xla`` (route output_only); opt-in ``replay-pallas-auto``, ``replay-xla-rc``.
+``conv-xla``, ``replay-xla`` (route output_only); opt-in ``replay-pallas-auto``, ``replay-xla-rc``,
+and the Pallas Mosaic GPU arms ``conv-mosaic`` / ``replay-mosaic`` (implementation="pallas_mosaic",
+output-only route, flush fold fused; config module defaults) to time Mosaic vs Triton in one run.
 XLA arms run only at ``--xla-batches``. ``--configs bv32w2,bv64w4`` adds one row per Pallas launch
 config (calls ``replayssm_jax.pallas.gdn_triton`` with keyword overrides; ``default`` = the config
 module's choice through the public op).
@@ -102,7 +104,7 @@ SMOKE = Geometry(hk=2, hv=4, kd=16, vd=16)
 class Arm:
   name: str
   family: str          # "conv" | "replay"
-  impl: str            # "pallas_triton" | "xla"
+  impl: str            # "pallas_triton" | "pallas_mosaic" | "xla"
   route: str | None = None
 
 
@@ -114,7 +116,10 @@ ARMS = {a.name: a for a in (
     Arm("replay-xla", "replay", "xla", "output_only"),
     Arm("replay-pallas-auto", "replay", "pallas_triton", "auto"),
     Arm("replay-xla-rc", "replay", "xla", "reconstruct"),
+    Arm("conv-mosaic", "conv", "pallas_mosaic"),
+    Arm("replay-mosaic", "replay", "pallas_mosaic", "output_only"),
 )}
+CONV_ARMS = ("conv-pallas", "conv-mosaic")   # "our best conventional kernel" = the faster of these
 DEFAULT_ARMS = ("conv-pallas", "replay-pallas-oo", "replay-pallas-rc", "conv-xla", "replay-xla")
 _STEP_KNOBS = ("block_v", "num_warps", "num_stages")
 _ARM_ORDER = {name: i for i, name in enumerate(ARMS)}
@@ -699,17 +704,17 @@ def derive(rows: list[dict], ceiling_gbps: float | None) -> None:
     if r["status"] != "ok":
       continue
     same = lambda o, r=r: o["state_dtype"] == r["state_dtype"] and o["batch"] == r["batch"]
-    conv = best(lambda o: same(o) and o["arm"] == "conv-pallas")
+    conv = best(lambda o: same(o) and o["arm"] in CONV_ARMS)
     if r["family"] == "replay":
       xla = best(lambda o: same(o) and o["arm"] == "replay-xla" and o["buffer_len"] == r["buffer_len"])
-    elif r["arm"] == "conv-pallas":
+    elif r["arm"] in CONV_ARMS:
       xla = best(lambda o: same(o) and o["arm"] == "conv-xla")
     else:
       xla = None
     if conv is not None and r["family"] == "replay":
       r["speedup_vs_conv"] = conv["median_ms"] / r["median_ms"]
       r["speedup_vs_conv_basis"] = conv["label"]
-    if xla is not None and r["impl"] == "pallas_triton":
+    if xla is not None and r["impl"] != "xla":
       r["speedup_vs_xla"] = xla["median_ms"] / r["median_ms"]
       r["speedup_vs_xla_basis"] = xla["label"]
 
@@ -767,8 +772,8 @@ Definitions (bench/gdn_decode.py docstring has the full method):
   u per value head, g) and one ring entry written. **%ceil**: of the device-to-device copy ceiling
   (in-place `x + z` over ≥ 2 GB, bytes read + written) measured in the same run.
 - **x conv**: conventional Pallas time / this arm's time (same state dtype and batch, same run; the best
-  conventional launch config). **x xla**: XLA time of the same algorithm (replay-xla at the same L for
-  replay arms, conv-xla for conv-pallas) / this arm's time. Speedups only between rows whose gates passed.
+  conventional arm and launch config, Triton or Mosaic). **x xla**: XLA time of the same algorithm
+  (replay-xla at the same L for replay arms, conv-xla for conv-pallas / conv-mosaic) / this arm's time. Speedups only between rows whose gates passed.
 - **gate**: first step vs `implementation="xla"` (output and written state/ring rows) and vs a float64
   oracle on the first rows; the largest relative L2 error is shown. `#2` rows re-time an arm at the end
   of its group: the run-to-run noise. `+copy`: the compiled timed program copies a whole donated array

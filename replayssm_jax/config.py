@@ -329,3 +329,46 @@ def mamba2_verify_conventional_config(*, device_kind: str, state_dtype, head_dim
   # decode's bandwidth-bound optimum is the best prior.
   return mamba2_decode_config(device_kind=device_kind, state_dtype=state_dtype, head_dim=head_dim,
                               state_dim=state_dim, batch=batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated DeltaNet, Mosaic GPU (replayssm_jax/pallas/gdn_mosaic.py). One warpgroup per program; all
+# GPU rules are *untuned* until bench/gdn_decode.py --impls times them on the H200.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicConfig:
+  """One Mosaic GPU launch: V tile rows per program (the [BV, K] checkpoint tile staged by TMA)."""
+  block_v: int
+
+  def __post_init__(self):
+    if not isinstance(self.block_v, int) or self.block_v < 1:
+      raise ValueError(f"block_v={self.block_v!r}; expected an int >= 1")
+
+
+def mosaic_decode_config(*, device_kind: str, state_dtype, head_v_dim: int) -> MosaicConfig:
+  """Conventional decode, grid (V/BV, Hv, B)."""
+  del state_dtype
+  if _is_cpu(device_kind):
+    # Interpret mode ignores layouts: a 16-row tile gives CPU tests two V tiles per head.
+    return MosaicConfig(block_v=min(16, head_v_dim))
+  # *untuned*: the 64-row WGMMA tile is the smallest that lowers; more programs per SM for latency.
+  return MosaicConfig(block_v=min(64, head_v_dim))
+
+
+def mosaic_replay_config(*, device_kind: str, state_dtype, head_v_dim: int, num_k_heads: int,
+                         group: int, batch: int) -> MosaicConfig:
+  """Replay step with fused flush fold, grid (V/BV, Hk, B); r = ``group`` checkpoint tiles in SMEM."""
+  del state_dtype, num_k_heads, batch, group
+  if _is_cpu(device_kind):
+    # Interpret mode ignores layouts: two V tiles per head cover the tile indexing.
+    return MosaicConfig(block_v=min(16, head_v_dim))
+  # *untuned*: 64 rows; r = 2 f32 [64, 128] tiles + a 16-entry ring stay under 100 KiB of SMEM.
+  return MosaicConfig(block_v=min(64, head_v_dim))
+
+
+def mosaic_materialize_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
+  """Materialize, grid (V/BV, Hv, B), f32 output tile staged in SMEM."""
+  # *untuned*: the replay tile (same fold body; not on the decode hot path).
+  return mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
+                              head_v_dim=head_v_dim, num_k_heads=1, group=1, batch=1)

@@ -45,7 +45,7 @@ def decode(q, k, v, g, beta, pool, slots, *, scale=None, implementation=None):
     pool: [N, Hv, V, K] state pool (float32 / bfloat16 / float16), updated in place under donation.
     slots: int32[B]; negative = padding row (zero output, nothing written).
     scale: query scale, default K^-0.5.
-    implementation: None (fastest available), "xla" or "pallas_triton".
+    implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic".
 
   Returns:
     (o [B, Hv, V] in v's dtype, pool).
@@ -65,7 +65,12 @@ def decode(q, k, v, g, beta, pool, slots, *, scale=None, implementation=None):
     from replayssm_jax.pallas import gdn_triton
     return gdn_triton.decode(q, k, v, g, beta, pool, slots, scale=scale)
 
-  return _dispatch.run("gdn.decode", implementation, {"xla": run_xla, "pallas_triton": run_triton})
+  def run_mosaic():
+    from replayssm_jax.pallas import gdn_mosaic
+    return gdn_mosaic.decode(q, k, v, g, beta, pool, slots, scale=scale)
+
+  return _dispatch.run("gdn.decode", implementation,
+                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic})
 
 
 _jit_xla_decode = jax.jit(xla.decode, static_argnames=("scale",))
@@ -77,10 +82,10 @@ def _check_buffers(bufs):
 
 
 def _require_u_layout(op, bufs):
-  """The Pallas-Triton kernels read the u ring only (auto falls back to XLA on this error)."""
+  """The Pallas kernels read the u ring only (auto falls back to XLA on this error)."""
   if bufs.fold != "u":
-    raise NotImplementedError(f"{op}: pallas_triton supports buffers with fold='u' only; these have "
-                              f"fold={bufs.fold!r}")
+    raise NotImplementedError(f"{op}: the Pallas kernels support buffers with fold='u' only; these "
+                              f"have fold={bufs.fold!r}")
 
 
 def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", implementation=None):
@@ -97,7 +102,8 @@ def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", imp
     scale: query scale, default K^-0.5.
     route: "output_only" (read S·q and S·k from the checkpoint and the ring, never build S),
       "reconstruct" (rebuild S_{t-1} tile by tile) or "auto" (the config's choice).
-    implementation: None (fastest available), "xla" or "pallas_triton".
+    implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic"
+      (output_only route only).
 
   Returns:
     (o [B, Hv, V] in v's dtype, bufs).
@@ -124,8 +130,13 @@ def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", imp
     from replayssm_jax.pallas import gdn_triton
     return gdn_triton.replay_decode(q, k, v, g, beta, bufs, plan, scale=scale, route=route)
 
+  def run_mosaic():
+    _require_u_layout("gdn.replay_decode", bufs)
+    from replayssm_jax.pallas import gdn_mosaic
+    return gdn_mosaic.replay_decode(q, k, v, g, beta, bufs, plan, scale=scale, route=route)
+
   return _dispatch.run("gdn.replay_decode", implementation,
-                       {"xla": run_xla, "pallas_triton": run_triton})
+                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic})
 
 
 _jit_xla_replay = jax.jit(xla.replay_decode, static_argnames=("scale", "route"))
@@ -153,8 +164,13 @@ def materialize(bufs, cursor, slots, *, implementation=None):
     from replayssm_jax.pallas import gdn_triton
     return gdn_triton.materialize(bufs, slots, base, count)
 
+  def run_mosaic():
+    _require_u_layout("gdn.materialize", bufs)
+    from replayssm_jax.pallas import gdn_mosaic
+    return gdn_mosaic.materialize(bufs, slots, base, count)
+
   return _dispatch.run("gdn.materialize", implementation,
-                       {"xla": run_xla, "pallas_triton": run_triton})
+                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic})
 
 
 _jit_xla_materialize = jax.jit(xla.materialize)

@@ -1,0 +1,389 @@
+"""Gated DeltaNet decode kernels in Pallas Mosaic GPU (``plgpu.kernel``; Hopper+, interpreted on CPU).
+
+Same op semantics as gdn_triton.py; three kernels, each ``kernel → builder → public wrapper``:
+
+* ``decode``: the conventional step. Grid (V/BV, Hv, B); a program TMA-gathers the [BV, K]
+  checkpoint tile of its row's slot into SMEM, steps it once and TMA-writes it back in place
+  (the pool is a written Ref: aliased, never copied).
+* ``replay_decode``: one kernel, grid (V/BV, Hk, B); a program serves the r = Hv/Hk value heads of
+  a key head (q, k and the key ring read once). It TMA-stages the r checkpoint tiles and the
+  row's ring tiles into SMEM, replays the window ``[base, base + count)`` on the output-only route
+  (``S x = e^G S_c x + Σ_j w_j (k_j·x) u_j``, never building S), writes o and appends (k, u, g) at
+  ring index ``base + count``. Flushing rows then fold window and token 0 into the checkpoint in
+  the same program: unlike the Triton kernels (a separate fold pass over compacted rows, because a
+  fused fold branch cost ~20 % on every row there), the checkpoint tile and the window already sit
+  in SMEM here, so the fused fold re-reads nothing from HBM and needs no second launch.
+  *Unmeasured*: bench/gdn_decode.py --impls decides whether that holds on the H200.
+* ``materialize``: the same fold body on every row, into a fresh f32 [B, Hv, V, K].
+
+Ring windows are walked entry by entry (``lax.fori_loop`` over ``count`` entries at ring indices
+``(base + j) mod R``), so entries outside a window (stale or NaN) are staged into SMEM but never
+read. The decay weights ``w_j = exp(Σ_{i>j} g_i)`` come from the recurrence
+``acc ← e^{g_j} acc + (…)_j`` (the products of e^{g} instead of one exp of the sum: equal to f32
+rounding). Everything is float32 multiply-and-reduce, never wgmma (Mosaic f32 wgmma is TF32).
+Padding rows (slot < 0) produce zero output and touch neither checkpoint nor ring.
+
+Layouts (lowering only; the interpreter does not check them): [BV, K] tiles use
+``Layout.WGMMA``, K vectors ``WGMMA.reduce(0)``, V vectors ``WGMMA.reduce(1)``; so BV must be a
+multiple of 64 and K of 64 when compiling (``_require_lowerable``).
+Shapes: q, k [B, Hk, K]; v [B, Hv, V]; g, beta [B, Hv]; state [N, Hv, V, K];
+ring_k [N, Hk, R, K]; ring_u [N, Hv, R, V]; ring_g [N, Hv, R].
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from replayssm_jax import config as config_lib
+from replayssm_jax.cursor import ReplayPlan
+from replayssm_jax.gdn.buffers import ReplayBuffers
+from replayssm_jax.pallas import common
+
+f32 = jnp.float32
+_TILE = plgpu.Layout.WGMMA            # [BV, K] state tile
+_ROW_K = plgpu.Layout.WGMMA.reduce(0)  # [K] vector, broadcast over the tile's rows
+_COL_V = plgpu.Layout.WGMMA.reduce(1)  # [BV] vector, broadcast over the tile's columns
+# H200: 228 KiB SMEM per SM; keep a margin for Mosaic's own scratch.
+_SMEM_BUDGET = 192 * 1024
+
+
+def _vec(ref, layout):
+  """float32 vector load (GMEM or SMEM) in a fixed layout."""
+  return plgpu.load(ref, layout=layout, optimized=False).astype(f32)
+
+
+def _zeros(n):
+  return plgpu.layout_cast(jnp.zeros((n,), f32), _COL_V)
+
+
+def _fold_window(S, rk_smem, ru_smem, rg_smem, base, length, ring_size):
+  """S ← e^{g_j} S + u_j k_jᵀ for the ``length`` ring entries from ``base`` (float32 [BV, K]).
+
+  Equals ``e^G S + Σ_j w_j u_j k_jᵀ`` of replay.py; entries outside the window are never read.
+  """
+  def entry(j, S):
+    p = (base + j) % ring_size
+    u = _vec(ru_smem.at[p], _COL_V)
+    k = _vec(rk_smem.at[p], _ROW_K)
+    return jnp.exp(rg_smem[p]) * S + u[:, None] * k[None, :]
+  return lax.fori_loop(0, length, entry, S)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels.
+# ----------------------------------------------------------------------------------------------
+
+def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref,
+                   S_smem, bar, *, scale, group, block_v):
+  vt, h, b = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
+  s = slots_ref[b]
+  tile = pl.ds(vt * block_v, block_v)
+  # Padding rows gather slot 0 (harmless) and never write: one TMA/barrier path for every row.
+  plgpu.copy_gmem_to_smem(pool_ref.at[jnp.maximum(s, 0), h, tile], S_smem, bar)
+  hk = h // group
+  k = _vec(k_ref.at[b, hk], _ROW_K)
+  q = _vec(q_ref.at[b, hk], _ROW_K) * scale
+  v = _vec(v_ref.at[b, h, tile], _COL_V)
+  alpha = jnp.exp(g_ref[b, h].astype(f32))
+  beta = beta_ref[b, h].astype(f32)
+  plgpu.barrier_wait(bar)
+  S = plgpu.load(S_smem, layout=_TILE).astype(f32)                 # [BV, K]
+  u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
+  S = alpha * S + u[:, None] * k[None, :]
+  o = jnp.sum(S * q[None, :], axis=1)
+
+  @pl.when(s >= 0)
+  def _():
+    o_ref[b, h, tile] = o.astype(o_ref.dtype)
+    S_smem[...] = S.astype(S_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(S_smem, pool_ref.at[s, h, tile])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(s < 0)
+  def _():
+    o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+
+
+def _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, s, hk, heads, tile, rk_smem, ru_smem, rg_smem,
+                bars):
+  """TMA of the slot's key ring [R, K] and, per value head i, its u tile [R, BV] and g [R]."""
+  plgpu.copy_gmem_to_smem(ring_k_ref.at[s, hk], rk_smem, bars.at[0])
+  for i, h in enumerate(heads):
+    plgpu.copy_gmem_to_smem(ring_u_ref.at[s, h, :, tile], ru_smem.at[i], bars.at[1 + 2 * i])
+    plgpu.copy_gmem_to_smem(ring_g_ref.at[s, h], rg_smem.at[i], bars.at[2 + 2 * i])
+
+
+def _wait_all(bars, n):
+  for i in range(n):
+    plgpu.barrier_wait(bars.at[i])
+
+
+def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref, v_ref, g_ref,
+                        beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
+                        S_smem, rk_smem, ru_smem, rg_smem, bars,
+                        *, scale, group, block_v, ring_size):
+  vt, hk, b = lax.axis_index("vt"), lax.axis_index("hk"), lax.axis_index("b")
+  s = slots_ref[b]
+  ss = jnp.maximum(s, 0)   # padding rows stage slot 0 (harmless) and write nothing
+  tile = pl.ds(vt * block_v, block_v)
+  heads = [hk * group + i for i in range(group)]
+  nbar = 1 + 2 * group
+  for i, h in enumerate(heads):
+    plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], S_smem.at[i], bars.at[nbar + i])
+  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, hk, heads, tile, rk_smem, ru_smem, rg_smem,
+              bars)
+  base, count = base_ref[b], count_ref[b]
+  put = (base + count) % ring_size                                 # token 0's ring index
+  k = _vec(k_ref.at[b, hk], _ROW_K)
+  q = _vec(q_ref.at[b, hk], _ROW_K) * scale
+  kq = jnp.sum(k * q)
+  _wait_all(bars, nbar)
+
+  # Window, output-only: acc_x ← e^{g_j} acc_x + (k_j·x) u_j per head; the key ring is read once
+  # per key head for all r value heads. G = Σ_j g_j.
+  def entry(j, carry):
+    acc_k, acc_q, G = carry
+    p = (base + j) % ring_size
+    kj = _vec(rk_smem.at[p], _ROW_K)
+    ck, cq = jnp.sum(kj * k), jnp.sum(kj * q)
+    gj = [rg_smem[i, p] for i in range(group)]
+    uj = [_vec(ru_smem.at[i, p], _COL_V) for i in range(group)]
+    return (tuple(jnp.exp(g) * a + ck * u for g, a, u in zip(gj, acc_k, uj)),
+            tuple(jnp.exp(g) * a + cq * u for g, a, u in zip(gj, acc_q, uj)),
+            tuple(Gi + g for Gi, g in zip(G, gj)))
+  zero = tuple(_zeros(block_v) for _ in range(group))
+  acc_k, acc_q, G = lax.fori_loop(0, count, entry, (zero, zero, (jnp.float32(0.0),) * group))
+  for i in range(group):
+    plgpu.barrier_wait(bars.at[nbar + i])
+
+  valid = s >= 0
+  flush = valid & (flush_ref[b] != 0)
+  rdt = ring_u_ref.dtype
+
+  def head(i, h):  # value head h = hk·r + i
+    Sc = plgpu.load(S_smem.at[i], layout=_TILE).astype(f32)        # [BV, K]
+    decay = jnp.exp(G[i])
+    Sk = decay * jnp.sum(Sc * k[None, :], axis=1) + acc_k[i]
+    Sq = decay * jnp.sum(Sc * q[None, :], axis=1) + acc_q[i]
+    g = g_ref[b, h].astype(f32)
+    alpha = jnp.exp(g)
+    u = beta_ref[b, h].astype(f32) * (_vec(v_ref.at[b, h, tile], _COL_V) - alpha * Sk)
+    o = alpha * Sq + u * kq
+
+    @pl.when(valid)
+    def _():
+      o_ref[b, h, tile] = o.astype(o_ref.dtype)
+      ring_u_ref[s, h, put, tile] = u.astype(rdt)
+
+      @pl.when(vt == 0)  # k and g are per head, not per V tile: one program appends them
+      def _():
+        ring_g_ref[s, h, put] = g
+
+    @pl.when(~valid)
+    def _():
+      o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+
+    @pl.when(flush)
+    def _():
+      # Checkpoint ← fold(window) then token 0, with u and k rounded as the ring stores them.
+      S = _fold_window(Sc, rk_smem, ru_smem.at[i], rg_smem.at[i], base, count, ring_size)
+      kr = k.astype(ring_k_ref.dtype).astype(f32)
+      S = alpha * S + u.astype(rdt).astype(f32)[:, None] * kr[None, :]
+      S_smem[i] = S.astype(S_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(S_smem.at[i], state_ref.at[s, h, tile])
+
+  for i, h in enumerate(heads):
+    head(i, h)
+
+  @pl.when(valid & (vt == 0))
+  def _():
+    ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
+
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, ring_u_ref,
+                        ring_g_ref, out_ref, S_smem, out_smem, rk_smem, ru_smem, rg_smem, bars,
+                        *, group, block_v, ring_size):
+  vt, h, b = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
+  s = slots_ref[b]
+  ss = jnp.maximum(s, 0)
+  tile = pl.ds(vt * block_v, block_v)
+  plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], S_smem, bars.at[3])
+  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, h // group, [h], tile, rk_smem, ru_smem,
+              rg_smem, bars)
+  _wait_all(bars, 4)
+  S = plgpu.load(S_smem, layout=_TILE).astype(f32)
+  S = _fold_window(S, rk_smem, ru_smem.at[0], rg_smem.at[0], base_ref[b], length_ref[b], ring_size)
+  out_smem[...] = S
+
+  @pl.when(s < 0)  # padding rows: zeros (S · 0 would keep a NaN of slot 0)
+  def _():
+    out_smem[...] = plgpu.layout_cast(jnp.zeros(S.shape, f32), _TILE)
+
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, h, tile])
+  plgpu.wait_smem_to_gmem(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders.
+# ----------------------------------------------------------------------------------------------
+
+def _interpret(interpret: bool):
+  return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _ring_scratch(bufs: ReplayBuffers, heads: int, block_v: int):
+  """SMEM for one key ring [R, K] and ``heads`` u tiles [R, BV] and g vectors [R]."""
+  r, kd = bufs.ring_size, bufs.head_k_dim
+  return {"rk_smem": plgpu.SMEM((r, kd), bufs.ring_k.dtype),
+          "ru_smem": plgpu.SMEM((heads, r, block_v), bufs.ring_u.dtype),
+          "rg_smem": plgpu.SMEM((heads, r), f32)}
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
+def _decode(q, k, v, g, beta, pool, slots, *, scale, cfg, interpret):
+  batch, hv, vd = v.shape
+  kernel = functools.partial(_decode_kernel, scale=scale, group=hv // q.shape[1],
+                             block_v=cfg.block_v)
+  pool_ref = jax.new_ref(pool)   # written Ref operand: updated in place (aliased under donation)
+  o = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
+      grid=(vd // cfg.block_v, hv, batch), grid_names=("vt", "h", "b"),
+      scratch_types={"S_smem": plgpu.SMEM((cfg.block_v, pool.shape[-1]), pool.dtype),
+                     "bar": plgpu.Barrier()},
+      kernel_name="replayssm_gdn_decode_mosaic", interpret=_interpret(interpret),
+  )(slots, q, k, v, g, beta, pool_ref)
+  return o, jax.freeze(pool_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
+def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
+  batch, hk = q.shape[:2]
+  hv, vd, kd = bufs.num_v_heads, bufs.head_v_dim, bufs.head_k_dim
+  group, bv = hv // hk, cfg.block_v
+  kernel = functools.partial(_replay_step_kernel, scale=scale, group=group, block_v=bv,
+                             ring_size=bufs.ring_size)
+  refs = [jax.new_ref(x) for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)]
+  o = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
+      grid=(vd // bv, hk, batch), grid_names=("vt", "hk", "b"),
+      scratch_types=dict(S_smem=plgpu.SMEM((group, bv, kd), bufs.state.dtype),
+                         **_ring_scratch(bufs, group, bv),
+                         bars=plgpu.Barrier(num_barriers=1 + 3 * group)),
+      kernel_name="replayssm_gdn_replay_mosaic", interpret=_interpret(interpret),
+  )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), q, k, v, g, beta, *refs)
+  state, ring_k, ring_u, ring_g = (jax.freeze(r) for r in refs)
+  return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _materialize(bufs, slots, base, length, *, cfg, interpret):
+  batch = slots.shape[0]
+  hv, vd, kd, bv = bufs.num_v_heads, bufs.head_v_dim, bufs.head_k_dim, cfg.block_v
+  kernel = functools.partial(_materialize_kernel, group=hv // bufs.num_k_heads, block_v=bv,
+                             ring_size=bufs.ring_size)
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((batch, hv, vd, kd), f32),
+      grid=(vd // bv, hv, batch), grid_names=("vt", "h", "b"),
+      scratch_types=dict(S_smem=plgpu.SMEM((bv, kd), bufs.state.dtype),
+                         out_smem=plgpu.SMEM((bv, kd), f32), **_ring_scratch(bufs, 1, bv),
+                         bars=plgpu.Barrier(num_barriers=4)),
+      kernel_name="replayssm_gdn_materialize_mosaic", interpret=_interpret(interpret),
+  )(slots, base, length, bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrappers (called from gdn/ops.py; inputs already validated there).
+# ----------------------------------------------------------------------------------------------
+
+def _smem_bytes(block_v, head_k_dim, *, heads, state_dtype, ring_size=0, ring_dtype=f32,
+                out_f32=False):
+  """SMEM of one program: ``heads`` checkpoint tiles, the staged ring (if any), an f32 out tile."""
+  ri = jnp.dtype(ring_dtype).itemsize
+  ring = ring_size * (head_k_dim * ri + heads * (block_v * ri + 4))   # keys, u tiles, g
+  out = block_v * head_k_dim * 4 if out_f32 else 0
+  return heads * block_v * head_k_dim * jnp.dtype(state_dtype).itemsize + ring + out
+
+
+def _require_lowerable(op, *, head_k_dim, head_v_dim, block_v, ring_size, smem):
+  """NotImplementedError for shapes the Mosaic lowering cannot take (checked when compiling;
+  the interpreter ignores layouts, so CPU tests may use smaller tiles)."""
+  if common.interpret_mode():
+    return
+  problems = []
+  if block_v % 64 or head_v_dim % block_v:
+    problems.append(f"V tile {block_v} of V={head_v_dim} (the WGMMA layout needs 64-row tiles)")
+  if head_k_dim % 64 or head_k_dim > 256:
+    problems.append(f"K={head_k_dim} (needs a multiple of 64, at most 256: layout and TMA box)")
+  if ring_size and ring_size < 4:
+    problems.append(f"ring size R={ring_size} (the TMA of the [R] decay ring needs >= 16 bytes)")
+  if smem > _SMEM_BUDGET:
+    problems.append(f"{smem} bytes of SMEM per program (budget {_SMEM_BUDGET})")
+  if problems:
+    raise NotImplementedError(f"{op}: pallas_mosaic cannot lower " + "; ".join(problems)
+                              + " (use implementation='pallas_triton' or 'xla', or None)")
+
+
+def _fit(cfg, head_v_dim, block_v):
+  return config_lib.MosaicConfig(block_v=min(cfg.block_v if block_v is None else int(block_v),
+                                             head_v_dim))
+
+
+def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None):
+  """Conventional GDN decode step over a slot pool. Returns (o [B, Hv, V] in v.dtype, pool).
+
+  ``block_v`` overrides the config's V tile.
+  """
+  _, _, vd, kd = pool.shape
+  cfg = _fit(config_lib.mosaic_decode_config(device_kind=common.device_kind(),
+                                             state_dtype=pool.dtype, head_v_dim=vd), vd, block_v)
+  _require_lowerable("gdn.decode[pallas_mosaic]", head_k_dim=kd, head_v_dim=vd,
+                     block_v=cfg.block_v, ring_size=0,
+                     smem=_smem_bytes(cfg.block_v, kd, heads=1, state_dtype=pool.dtype))
+  return _decode(q, k, v, g, beta, pool, slots, scale=float(scale), cfg=cfg,
+                 interpret=common.interpret_mode())
+
+
+def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, scale, route="auto",
+                  block_v=None):
+  """ReplaySSM GDN decode (one token per row), flush fold fused. Returns (o [B, Hv, V], bufs).
+
+  Output-only route only ("reconstruct" raises NotImplementedError). ``block_v`` overrides the
+  config's V tile.
+  """
+  op = "gdn.replay_decode[pallas_mosaic]"
+  if plan.num_tokens != 1:
+    raise NotImplementedError(f"{op}: plans with num_tokens={plan.num_tokens} (verify) are not "
+                              f"supported by this kernel")
+  if route == "reconstruct":
+    raise NotImplementedError(f"{op}: only the output_only route is implemented")
+  group = bufs.num_v_heads // bufs.num_k_heads
+  cfg = _fit(config_lib.mosaic_replay_config(
+      device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_v_dim=bufs.head_v_dim,
+      num_k_heads=bufs.num_k_heads, group=group, batch=q.shape[0]), bufs.head_v_dim, block_v)
+  smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=group, state_dtype=bufs.state.dtype,
+                     ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype)
+  _require_lowerable(op, head_k_dim=bufs.head_k_dim, head_v_dim=bufs.head_v_dim,
+                     block_v=cfg.block_v, ring_size=bufs.ring_size, smem=smem)
+  return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,
+                        interpret=common.interpret_mode())
+
+
+def materialize(bufs: ReplayBuffers, slots, base, length, *, block_v=None):
+  """Exact state of each row (checkpoint ⊕ ``length`` entries from ``base``): f32 [B, Hv, V, K]."""
+  cfg = _fit(config_lib.mosaic_materialize_config(device_kind=common.device_kind(),
+                                                  head_v_dim=bufs.head_v_dim),
+             bufs.head_v_dim, block_v)
+  smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=1, state_dtype=bufs.state.dtype,
+                     ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype, out_f32=True)
+  _require_lowerable("gdn.materialize[pallas_mosaic]", head_k_dim=bufs.head_k_dim,
+                     head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,
+                     smem=smem)
+  return _materialize(bufs, slots, base, length, cfg=cfg, interpret=common.interpret_mode())
