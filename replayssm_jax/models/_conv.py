@@ -1,15 +1,15 @@
 """What the mixers share: prompt validation and the mask of real positions, the causal depthwise
-conv1d with its rolling per-slot state, and the stand-in cursor a layer's ``prefill`` hands to
-``write_state``.
+conv1d with its rolling per-slot state (prefill, one-token step, T-token verify + commit), and the
+stand-in cursor a layer's ``prefill`` hands to ``write_state``.
 
-Shapes: x [B, T, C] (prefill) or [B, C] (decode); weight [W, C]; bias [C] or None;
-conv_state [N, W-1, C] per pool slot, oldest input first.
+Shapes: x [B, T, C] (prefill, verify) or [B, C] (decode); weight [W, C]; bias [C] or None;
+conv_state [N, W-1, C] per pool slot, oldest input first; a verify window [B, W-1+T, C].
 """
 import jax
 import jax.numpy as jnp
 
 from replayssm_jax import _checks
-from replayssm_jax.cursor import ReplayCursor
+from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 
 f32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -23,6 +23,14 @@ def real_positions(x, slots, lengths):
   _checks.expect_dtype("lengths", lengths, (jnp.int32,))
   _checks.expect_shape("lengths", lengths, (bsz,), "(int32[B], real tokens per row)")
   return (jnp.arange(t)[None, :] < lengths[:, None]) & (slots >= 0)[:, None]
+
+
+def plan_slots(plan, batch: int):
+  """Validates a decode / verify ``plan`` for a batch of ``batch`` rows; returns ``plan.slots``."""
+  if not isinstance(plan, ReplayPlan):
+    raise ValueError(f"plan must be a ReplayPlan from cursor.plan(slots); got {type(plan).__name__}")
+  _checks.expect_shape("plan.slots", plan.slots, (batch,), "(one slot per row of x)")
+  return plan.slots
 
 
 def prefill(x, weight, bias, conv_state, slots, lengths, *, resume=False):
@@ -60,6 +68,47 @@ def step(x, weight, bias, conv_state, slots):
     out = out + bias.astype(f32)
   put = jnp.where(live, slots, conv_state.shape[0])
   return out, conv_state.at[put].set(window[:, 1:], mode="drop")
+
+
+def verify(x, weight, bias, conv_state, slots):
+  """T tokens per row (speculative verify): window = [W-1 stored inputs, x_0 .. x_{T-1}];
+  out_t = Σ_i w_i · window_{t+i} (+ bias), the same sum as ``step`` for each token.
+
+  The conv state is *not* written: which inputs it must end with depends on how many tokens the
+  step accepts, so the caller keeps the window and ``commit`` writes the state afterwards.
+
+  Returns:
+    (pre-activation [B, T, C] float32, window [B, W-1+T, C] in the conv state's dtype).
+  """
+  w, t = weight.shape[0], x.shape[1]
+  live = slots >= 0
+  hist = conv_state[jnp.where(live, slots, 0)]                           # [B, W-1, C]
+  window = jnp.concatenate([hist, x.astype(hist.dtype)], axis=1)         # [B, W-1+T, C]
+  taps = jnp.stack([window[:, i:i + t] for i in range(w)], axis=2)       # [B, T, W, C]
+  out = jnp.einsum("btwc,wc->btc", taps.astype(f32), weight.astype(f32), precision=HIGHEST)
+  if bias is not None:
+    out = out + bias.astype(f32)
+  return out, window
+
+
+def commit(conv_state, window, slots, num_accepted):
+  """Rolls each live slot's conv state forward by its accepted tokens only (the rollback).
+
+  After accepting a = ``num_accepted[b]`` of the T verified tokens, the last W-1 inputs are
+  window rows a .. a+W-2 (the stored inputs, then x_0 .. x_{a-1}); rejected drafts x_a .. never
+  reach the state. Padding rows (slot < 0) change nothing.
+
+  Args:
+    conv_state: [N, W-1, C].
+    window: [B, W-1+T, C] from ``verify``.
+    slots: int32[B].
+    num_accepted: int32[B] in [1, T] on live rows.
+  """
+  keep = conv_state.shape[1]
+  rows = num_accepted[:, None] + jnp.arange(keep)[None, :]                # [B, W-1]
+  tail = jnp.take_along_axis(window, rows[:, :, None], axis=1)
+  put = jnp.where(slots >= 0, slots, conv_state.shape[0])
+  return conv_state.at[put].set(tail.astype(conv_state.dtype), mode="drop")
 
 
 def stand_in_cursor(bufs) -> ReplayCursor:

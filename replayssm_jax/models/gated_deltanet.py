@@ -19,6 +19,12 @@ with ``replay=False`` ``bufs.state`` *is* the conventional pool and the ring is 
 Callers that use conventional mode must not commit the cursor (the LM does not), so the windows
 stay empty and ``gdn.materialize`` stays exact in both modes. The cursor itself is shared by
 all layers of a model and lives in the model cache, not here.
+
+Speculative steps: ``y, cache, window = layer.verify(x [B, T, D], cache, plan)`` runs T tokens
+through the conv and ``gdn.replay_verify`` (drafts land in the ring past the window; the conv
+state is left alone); ``cache = layer.commit(cache, window, plan, num_accepted)`` then sets the
+conv state to the last W-1 inputs of the accepted tokens, and the caller's
+``cursor.commit(plan, num_accepted)`` drops the rejected ring entries.
 """
 import dataclasses
 import math
@@ -259,10 +265,7 @@ class GatedDeltaNet(nnx.Module):
     """
     self._check_x("x", x, 2, "([B, D])")
     self._check_cache(cache)
-    if not isinstance(plan, ReplayPlan):
-      raise ValueError(f"plan must be a ReplayPlan from cursor.plan(slots); got {type(plan).__name__}")
-    slots = plan.slots
-    _checks.expect_shape("plan.slots", slots, (x.shape[0],), "(one slot per row of x)")
+    slots = _conv.plan_slots(plan, x.shape[0])
     live = slots >= 0
 
     qkv, z, b, a = self._project(x)
@@ -276,6 +279,47 @@ class GatedDeltaNet(nnx.Module):
       bufs = cache.bufs.replace(state=state)
     y = jnp.where(live[:, None], self._output(o, z), 0)
     return y, GdnLayerCache(conv_state=conv_state, bufs=bufs)
+
+  # ---- speculative verify ------------------------------------------------------------------
+
+  def verify(self, x, cache: GdnLayerCache, plan: ReplayPlan, *, lengths=None, implementation=None):
+    """T tokens per row in one step (token 0 = the emitted token, then T-1 drafts), ReplaySSM only.
+
+    The T tokens go through the causal conv (continuing the slot's stored inputs) and
+    ``gdn.replay_verify``: the ring gets all T entries past the live window, the cursor and the
+    conv state stay as they are. ``commit`` then keeps the accepted prefix (the model commits the
+    shared cursor once for all layers).
+
+    Args:
+      x: [B, T, D] activations, T = ``plan.num_tokens``.
+      cache: this layer's GdnLayerCache.
+      plan: ReplayPlan from the model's shared ``cursor.plan(slots, num_tokens=T)``.
+      lengths: optional int32[B] real tokens per row in [1, T] (None: all T); padded lanes are
+        inert. Commit at most ``lengths[b]`` tokens.
+      implementation: forwarded to ``gdn.replay_verify`` (None = fastest available).
+
+    Returns:
+      (y [B, T, D] in the layer dtype, zeros on padding rows; cache with the ring written;
+      window [B, W-1+T, C], the conv inputs ``commit`` needs to roll the conv state forward).
+    """
+    self._check_x("x", x, 3, "([B, T, D])")
+    self._check_cache(cache)
+    slots = _conv.plan_slots(plan, x.shape[0])
+
+    qkv, z, b, a = self._project(x)
+    conv, window = _conv.verify(qkv, self.conv_weight[...], None, cache.conv_state, slots)
+    q, k, v, g, beta = self._heads(jax.nn.silu(conv), b, a)
+    o, bufs = gdn.replay_verify(q, k, v, g, beta, cache.bufs, plan, lengths=lengths,
+                                implementation=implementation)
+    y = jnp.where((slots >= 0)[:, None, None], self._output(o, z), 0)
+    return y, cache.replace(bufs=bufs), window
+
+  def commit(self, cache: GdnLayerCache, window, plan: ReplayPlan, num_accepted) -> GdnLayerCache:
+    """After ``verify``: the conv state of each live row becomes its last W-1 inputs up to its
+    ``num_accepted`` (int32[B] in [1, T]) accepted tokens; rejected drafts leave no trace. The
+    ring needs nothing: the caller's ``cursor.commit(plan, num_accepted)`` is its rollback."""
+    self._check_cache(cache)
+    return cache.replace(conv_state=_conv.commit(cache.conv_state, window, plan.slots, num_accepted))
 
   def __call__(self, x, cache, plan, *, replay=True, implementation=None):
     """Alias of ``decode``."""

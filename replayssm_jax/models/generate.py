@@ -3,8 +3,16 @@
 ``nnx.split`` runs outside the jit and ``nnx.merge`` inside; the cache is created outside and
 donated. Prompts are padded to ``config.max_prompt_len`` and every cursor value is traced data,
 so one compilation serves any prompts, prompt lengths and cursor phases for a given batch size
-and static options (max_new_tokens, replay, temperature, stop_tokens, buffer_len, implementation).
+and static options (max_new_tokens, replay, temperature, stop_tokens, buffer_len, implementation,
+speculative, ngram).
+
+Speculative mode (``speculative=k``, greedy, ReplaySSM): each loop step drafts k tokens per row
+with an n-gram lookup over the row's prompt + generated tokens, runs the last emitted token and
+the drafts through ``LM.verify`` (T = k + 1), emits the longest prefix of drafts equal to the
+greedy argmax plus the model's next token, and commits exactly the emitted count.
 """
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +21,7 @@ from flax import nnx
 from replayssm_jax.models.lm import LM
 
 PAD_TOKEN = 0
+MAX_DRAFTS = 7   # replay_verify takes T <= 8 tokens per row
 
 
 def _sample(logits, key, temperature):
@@ -22,16 +31,61 @@ def _sample(logits, key, temperature):
   return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
+class GenerateStats(NamedTuple):
+  """Per-row counters of one ``generate`` call (``return_stats=True``).
+
+  Attributes:
+    steps: int32[B] model steps after prefill in which the row was live (decode or verify).
+    accepted: int32[B] tokens emitted beyond one per step, i.e. accepted drafts
+      (``num_generated = 1 + steps + accepted``; always 0 without ``speculative``).
+  """
+  steps: jax.Array
+  accepted: jax.Array
+
+
+def ngram_drafts(history, length, *, num_drafts, ngram):
+  """n-gram (prompt lookup) drafter: k = ``num_drafts`` guesses of each row's next tokens.
+
+  Finds the most recent earlier occurrence of the row's last ``ngram`` tokens and proposes the
+  k tokens that followed it. Where fewer than k known tokens follow (the occurrence ends s < k
+  tokens before the end), the drafts continue the same period: draft i = history[p + n + i mod s]
+  (p the occurrence start), which is what a repeating pattern would do next. Without an earlier
+  occurrence every draft is the last token.
+
+  Args:
+    history: int32[B, H]; row b's tokens (prompt, then generated) at positions < length[b].
+    length: int32[B] in [1, H].
+    num_drafts: k >= 1.
+    ngram: n >= 1.
+
+  Returns:
+    int32[B, k].
+  """
+  n, h = ngram, history.shape[1]
+  last = jnp.take_along_axis(history, jnp.maximum(length[:, None] - n + jnp.arange(n), 0), axis=1)
+  starts = jnp.arange(h - n + 1)
+  grams = jnp.stack([history[:, j:j + h - n + 1] for j in range(n)], axis=-1)    # [B, H-n+1, n]
+  # An earlier occurrence ends before the last token: p + n <= length - 1.
+  found = jnp.all(grams == last[:, None, :], axis=-1) & (starts[None, :] + n < length[:, None])
+  p = jnp.max(jnp.where(found, starts[None, :], -1), axis=1)                       # -1: no match
+  period = jnp.maximum(length - p - n, 1)
+  idx = p[:, None] + n + jnp.arange(num_drafts)[None, :] % period[:, None]
+  drafts = jnp.take_along_axis(history, jnp.clip(idx, 0, h - 1), axis=1)
+  last_tok = jnp.take_along_axis(history, (length - 1)[:, None], axis=1)
+  return jnp.where((p >= 0)[:, None], drafts, last_tok)
+
+
 def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_tokens, replay,
-                   temperature, stop_tokens, implementation):
-  """Traced body. prompts int32[B, T], lengths int32[B] → (tokens [B, M], num_generated [B], cache)."""
+                   temperature, stop_tokens, implementation, speculative, ngram):
+  """Traced body. prompts int32[B, P], lengths int32[B] →
+  (tokens [B, M], num_generated [B], GenerateStats, cache)."""
   model = nnx.merge(graphdef, params)
   bsz = prompts.shape[0]
   slots = jnp.arange(bsz, dtype=jnp.int32)
   stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)  # -1 never matches a token
 
   def is_stop(tok):
-    return jnp.any(tok[:, None] == stops[None, :], axis=-1)
+    return jnp.any(tok[..., None] == stops, axis=-1)
 
   logits, cache = model.prefill(prompts, cache, slots, lengths)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, vocab]
@@ -39,6 +93,10 @@ def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_to
   out = jnp.full((bsz, max_new_tokens), PAD_TOKEN, jnp.int32).at[:, 0].set(tok)
   done = is_stop(tok)                       # a stop token is emitted and counted, then the row stops
   num = jnp.ones((bsz,), jnp.int32)
+  if speculative:
+    return _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_stop,
+                             max_new_tokens=max_new_tokens, implementation=implementation,
+                             num_drafts=speculative, ngram=ngram)
 
   def cond(carry):
     i, _, _, done, _, _ = carry
@@ -57,12 +115,60 @@ def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_to
     return i + 1, new, out, done, num, cache
 
   _, _, out, _, num, cache = jax.lax.while_loop(cond, body, (jnp.int32(1), tok, out, done, num, cache))
-  return out, num, cache
+  return out, num, GenerateStats(steps=num - 1, accepted=jnp.zeros_like(num)), cache
+
+
+def _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_stop, *,
+                      max_new_tokens, implementation, num_drafts, ngram):
+  """Greedy draft-and-verify loop after prefill (the first token is already in ``out``)."""
+  bsz, m, t = prompts.shape[0], max_new_tokens, num_drafts + 1
+  rows, lane = jnp.arange(bsz)[:, None], jnp.arange(t)[None, :]
+  slots = jnp.arange(bsz, dtype=jnp.int32)
+  # Prompt + generated tokens, contiguous per row: generated token j sits at lengths[b] + j.
+  history = jnp.zeros((bsz, prompts.shape[1] + m), jnp.int32).at[:, :prompts.shape[1]].set(prompts)
+  history = history.at[slots, lengths].set(tok)
+  done = done | (num >= m)
+  zeros = jnp.zeros((bsz,), jnp.int32)
+
+  def body(carry):
+    tok, out, history, done, num, steps, accepted, cache = carry
+    live = ~done
+    drafts = ngram_drafts(history, lengths + num, num_drafts=num_drafts, ngram=ngram)     # [B, k]
+    # Finished rows become padding rows (slot -1): their caches stay as they were.
+    logits, step = model.verify(jnp.concatenate([tok[:, None], drafts], axis=1), cache,
+                                jnp.where(done, -1, slots), implementation=implementation)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)                                # [B, T]
+    # The first j drafts equal the greedy tokens before them, so the emitted run is greedy[:, :j+1]:
+    # the accepted drafts, then the model's own next token. It is cut after the first stop
+    # token and at the row's remaining budget.
+    j = jnp.sum(jnp.cumprod((drafts == greedy[:, :-1]).astype(jnp.int32), axis=1), axis=1)
+    stop = is_stop(greedy)
+    stopped_before = (jnp.cumsum(stop, axis=1) - stop) > 0
+    keep = live[:, None] & (lane <= j[:, None]) & (lane < (m - num)[:, None]) & ~stopped_before
+    emit = jnp.sum(keep, axis=1, dtype=jnp.int32)
+    out = out.at[rows, jnp.where(keep, num[:, None] + lane, m)].set(greedy, mode="drop")
+    history = history.at[rows, jnp.where(keep, (lengths + num)[:, None] + lane, history.shape[1])].set(
+        greedy, mode="drop")
+    # The emitted tokens but the last were inputs of this step (token 0 and accepted drafts):
+    # exactly `emit` inputs commit; the last emitted token is the next step's token 0.
+    cache = model.commit(step, jnp.maximum(emit, 1))
+    tok = jnp.where(live, jnp.take_along_axis(greedy, jnp.maximum(emit - 1, 0)[:, None], axis=1)[:, 0], tok)
+    num = num + emit
+    steps = steps + live.astype(jnp.int32)
+    accepted = accepted + jnp.maximum(emit - 1, 0)
+    done = done | jnp.any(keep & stop, axis=1) | (num >= m)
+    return tok, out, history, done, num, steps, accepted, cache
+
+  carry = (tok, out, history, done, num, zeros, zeros, cache)
+  _, out, _, _, num, steps, accepted, cache = jax.lax.while_loop(
+      lambda c: ~jnp.all(c[3]), body, carry)
+  return out, num, GenerateStats(steps=steps, accepted=accepted), cache
 
 
 _generate_jit = jax.jit(
     _generate_impl, donate_argnames=("cache",),
-    static_argnames=("graphdef", "max_new_tokens", "replay", "temperature", "stop_tokens", "implementation"))
+    static_argnames=("graphdef", "max_new_tokens", "replay", "temperature", "stop_tokens",
+                     "implementation", "speculative", "ngram"))
 
 
 def _as_int(name, value, lo):
@@ -72,7 +178,8 @@ def _as_int(name, value, lo):
 
 
 def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temperature=0.0,
-             stop_tokens=(), seed=0, buffer_len=16, implementation=None):
+             stop_tokens=(), seed=0, buffer_len=16, implementation=None, speculative=0, ngram=2,
+             return_stats=False):
   """Generates ``max_new_tokens`` tokens per row after right-padded prompts.
 
   The first token comes from the prefill logits at position ``lengths[b] - 1``; each further token
@@ -80,6 +187,14 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   recurrence, so greedy tokens agree at float32). A row that emits a stop token keeps that token,
   then emits ``PAD_TOKEN`` (0) for the rest of the output and stops updating its cache; the loop
   ends early once every row stopped.
+
+  With ``speculative=k`` (greedy, replay only) each step drafts k tokens per row
+  (``ngram_drafts``: what followed the last earlier occurrence of the row's last ``ngram`` tokens),
+  verifies the last token + drafts in one ``LM.verify`` step, emits the accepted drafts and the
+  model's next token, and commits that many tokens (``LM.commit``: cursor + conv-state rollback).
+  The tokens are those of ``speculative=0`` greedy decoding (up to float32 rounding); stop tokens
+  and ``max_new_tokens`` cut a run of accepted drafts exactly. Steps per row shrink by the accepted
+  drafts (``return_stats``).
 
   Args:
     model: an LM (e.g. ``make_model(LMConfig.tiny(), seed)``).
@@ -91,10 +206,15 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
     stop_tokens: token ids that end a row.
     seed: PRNG seed for sampling (same seed → same tokens).
     buffer_len: ReplaySSM buffer length L (the checkpoint is written every L steps).
-    implementation: forwarded to the GDN decode ops (None = fastest available).
+    implementation: forwarded to the GDN / Mamba2 decode and verify ops (None = fastest available).
+    speculative: k drafts per step, 0 <= k <= 7 (0: one token per step). Needs ``temperature=0``
+      and ``replay=True`` (NotImplementedError otherwise) and ``buffer_len >= k + 1``.
+    ngram: n-gram length the drafter matches (speculative mode).
+    return_stats: also return a ``GenerateStats`` (model steps and accepted drafts per row).
 
   Returns:
-    (tokens int32[B, M], num_generated int32[B]: tokens before the padding, stop token included).
+    (tokens int32[B, M], num_generated int32[B]: tokens before the padding, stop token included),
+    plus ``GenerateStats`` with ``return_stats=True``.
   """
   if not isinstance(model, LM):
     raise ValueError(f"model must be a replayssm_jax.models.LM; got {type(model).__name__}")
@@ -104,6 +224,23 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   _as_int("seed", seed, 0)
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
     raise ValueError(f"temperature={temperature!r}; expected a float >= 0")
+  speculative = _as_int("speculative", speculative, 0)
+  ngram = _as_int("ngram", ngram, 1)
+  if speculative > MAX_DRAFTS:
+    raise ValueError(f"speculative={speculative}; expected at most {MAX_DRAFTS} drafts per step "
+                     f"(verify runs T = speculative + 1 <= {MAX_DRAFTS + 1} tokens)")
+  if speculative and buffer_len < speculative + 1:
+    raise ValueError(f"buffer_len={buffer_len} with speculative={speculative}; expected buffer_len "
+                     f">= speculative + 1 (a flushed row's drafts must fit its window)")
+  if speculative and temperature > 0:
+    raise NotImplementedError(
+        f"speculative={speculative} with temperature={temperature}: speculative generate is greedy "
+        f"only (sampling needs rejection sampling against the draft distribution); use "
+        f"temperature=0 or speculative=0")
+  if speculative and not replay:
+    raise NotImplementedError(
+        f"speculative={speculative} with replay=False: speculative generate verifies through "
+        f"ReplaySSM (LM.verify); use replay=True or speculative=0")
   stop_tokens = tuple(int(_as_int("stop_tokens", s, 0)) for s in stop_tokens)
   if any(s >= cfg.vocab_size for s in stop_tokens):
     raise ValueError(f"stop_tokens={stop_tokens}; expected ids in [0, {cfg.vocab_size})")
@@ -129,9 +266,10 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   padded = np.zeros((bsz, cfg.max_prompt_len), np.int32)
   padded[:, :t] = prompts_np
   graphdef, params = nnx.split(model)
-  cache = model.init_cache(bsz, buffer_len=buffer_len)
-  tokens, num, _ = _generate_jit(
+  cache = model.init_cache(bsz, buffer_len=buffer_len, max_draft=speculative)
+  tokens, num, stats, _ = _generate_jit(
       graphdef, params, cache, jnp.asarray(padded), jnp.asarray(lengths_np), jax.random.PRNGKey(seed),
       max_new_tokens=max_new_tokens, replay=bool(replay), temperature=float(temperature),
-      stop_tokens=stop_tokens, implementation=implementation)
-  return tokens, num
+      stop_tokens=stop_tokens, implementation=implementation, speculative=speculative,
+      ngram=ngram)
+  return (tokens, num, stats) if return_stats else (tokens, num)

@@ -12,6 +12,12 @@ one cache per *mixer* block, in block order (``GdnLayerCache`` or ``Mamba2LayerC
 blocks have none), and the *one* ``ReplayCursor`` shared by all layers (their rings all have
 size ``buffer_len``): every decode step makes one plan, runs all layers with it and commits once
 (replay mode only; conventional mode leaves the cursor windows empty).
+
+Speculative decoding: ``logits, step = lm.verify(tokens [B, T], cache, slots)`` runs T tokens per
+row (the emitted token, then T-1 drafts) through every layer with one ``num_tokens=T`` plan and
+returns a ``VerifyStep`` (the cache with the drafts in the rings, the plan, the conv windows);
+``cache = lm.commit(step, num_accepted)`` keeps each row's accepted prefix: the cursor commit
+(the ring rollback) plus the conv-state rewind of every layer.
 """
 import dataclasses
 
@@ -23,7 +29,7 @@ from flax import nnx
 from replayssm_jax import _checks
 from replayssm_jax import gdn
 from replayssm_jax import mamba2
-from replayssm_jax.cursor import ReplayCursor
+from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, GdnLayerCache
 from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config, Mamba2LayerCache
 
@@ -148,6 +154,21 @@ class LMCache:
   cursor: ReplayCursor
 
 
+@flax.struct.dataclass
+class VerifyStep:
+  """A verified, not yet committed step of ``LM.verify``; ``LM.commit`` turns it into an LMCache.
+
+  Attributes:
+    cache: LMCache with the T tokens in every layer's ring; cursor and conv states unchanged.
+    plan: the shared ``num_tokens=T`` ReplayPlan of the step.
+    windows: tuple with one conv window [B, W-1+T, C] per mixer block (its stored inputs, then the
+      T tokens' pre-conv inputs).
+  """
+  cache: LMCache
+  plan: ReplayPlan
+  windows: tuple
+
+
 class RMSNorm(nnx.Module):
   """x · rsqrt(mean(x²) + ε) · (offset + w) over the last axis (in float32); w starts at 1 − offset."""
 
@@ -228,10 +249,11 @@ class LM(nnx.Module):
     """The blocks that have a mixer (and a cache entry), in order."""
     return [b for b in self.blocks if b.has_mixer]
 
-  def init_cache(self, num_slots: int, *, buffer_len: int = 16, state_dtype=jnp.float32,
-                 ring_dtype=None) -> LMCache:
-    """Zeroed cache for ``num_slots`` slots with ReplaySSM buffer length ``buffer_len``."""
-    cursor = ReplayCursor.create(num_slots, buffer_len=buffer_len)
+  def init_cache(self, num_slots: int, *, buffer_len: int = 16, max_draft: int = 0,
+                 state_dtype=jnp.float32, ring_dtype=None) -> LMCache:
+    """Zeroed cache for ``num_slots`` slots with ReplaySSM buffer length ``buffer_len``; rings
+    sized for ``verify`` steps of up to ``max_draft`` drafts (``num_tokens <= max_draft + 1``)."""
+    cursor = ReplayCursor.create(num_slots, buffer_len=buffer_len, max_draft=max_draft)
     layers = tuple(b.mixer.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype)
                    for b in self.mixer_blocks)
     return LMCache(layers=layers, cursor=cursor)
@@ -318,6 +340,62 @@ class LM(nnx.Module):
     # Conventional mode never appends to the ring, so the windows stay empty and are not advanced.
     cursor = cache.cursor.commit(plan) if replay else cache.cursor
     return logits, LMCache(layers=layers, cursor=cursor)
+
+  def verify(self, tokens, cache: LMCache, slots, *, lengths=None, implementation=None,
+             force_flush=None):
+    """Speculative verify (ReplaySSM only): T tokens per row through every layer in one step.
+
+    Token 0 of a row is the token the model emitted last (not yet run), tokens 1..T-1 are
+    drafts. ``logits[:, i]`` predicts the token after ``tokens[:, i]``, so draft i+1 is right
+    under greedy decoding when it equals ``argmax(logits[:, i])``. Nothing is committed:
+    pass the returned ``VerifyStep`` to ``commit`` with the accepted counts.
+
+    Args:
+      tokens: int32[B, T], 1 <= T <= ``cache.cursor.max_draft + 1`` (``init_cache(max_draft=)``).
+      cache: LMCache.
+      slots: int32[B] pool slots (negative = padding row: no cache change, logits meaningless).
+      lengths: optional int32[B] real tokens per row in [1, T] (None: all T).
+      implementation: forwarded to ``gdn.replay_verify`` / ``mamba2.replay_verify``.
+      force_flush: optional bool[B], as in ``decode``.
+
+    Returns:
+      (logits [B, T, vocab] float32, VerifyStep).
+    """
+    self._check_tokens("tokens", tokens, 2, "(int32[B, T])")
+    self._check_cache(cache)
+    plan = cache.cursor.plan(slots, num_tokens=tokens.shape[1], force_flush=force_flush)
+    windows = []
+
+    def mixer_fn(block, x, lc):
+      y, lc, window = block.mixer.verify(x, lc, plan, lengths=lengths, implementation=implementation)
+      windows.append(window)
+      return y, lc
+
+    h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
+    logits = self.head(self.final_norm(h)).astype(f32)
+    return logits, VerifyStep(cache=LMCache(layers=layers, cursor=cache.cursor), plan=plan,
+                              windows=tuple(windows))
+
+  def commit(self, step: VerifyStep, num_accepted) -> LMCache:
+    """Keeps the first ``num_accepted[b]`` tokens of each row of a ``verify`` step (the rollback).
+
+    The shared cursor advances by the accepted counts (rejected drafts stay unfolded past the
+    window and are overwritten later) and every layer's conv state rolls forward by the accepted
+    tokens only. Afterwards the cache equals one that decoded just the accepted tokens.
+
+    Args:
+      step: the VerifyStep of ``verify``.
+      num_accepted: int32[B] in [1, T] (at most ``lengths``) on live rows; ignored on padding rows.
+
+    Returns:
+      LMCache.
+    """
+    if not isinstance(step, VerifyStep):
+      raise ValueError(f"step must be the VerifyStep of LM.verify; got {type(step).__name__}")
+    cursor = step.cache.cursor.commit(step.plan, num_accepted)
+    layers = tuple(b.mixer.commit(lc, w, step.plan, num_accepted)
+                   for b, lc, w in zip(self.mixer_blocks, step.cache.layers, step.windows))
+    return LMCache(layers=layers, cursor=cursor)
 
 
 def make_model(config: LMConfig | None = None, seed: int = 0) -> LM:

@@ -19,7 +19,9 @@ each **group** of (H // G)·P channels (heads h with h // (H // G) = g), then sc
 Cache (``Mamba2LayerCache``): the rolling conv state ``[N, W-1, C]`` (the last W-1 pre-conv x|B|C
 inputs of each slot) and the layer's ``mamba2.ReplayBuffers``. As for GatedDeltaNet, one state pool
 serves both decode modes (``replay=False`` reads and writes ``bufs.state`` directly and never
-touches the ring); the shared cursor lives in the model cache.
+touches the ring); the shared cursor lives in the model cache. Speculative steps use ``verify``
+(T tokens through the conv and ``mamba2.replay_verify``) and ``commit`` (conv-state rewind to the
+accepted tokens), as for GatedDeltaNet.
 """
 import dataclasses
 import math
@@ -261,10 +263,7 @@ class Mamba2(nnx.Module):
     """
     self._check_x("x", x, 2, "([B, D])")
     self._check_cache(cache)
-    if not isinstance(plan, ReplayPlan):
-      raise ValueError(f"plan must be a ReplayPlan from cursor.plan(slots); got {type(plan).__name__}")
-    slots = plan.slots
-    _checks.expect_shape("plan.slots", slots, (x.shape[0],), "(one slot per row of x)")
+    slots = _conv.plan_slots(plan, x.shape[0])
     live = slots >= 0
 
     z, xbc, dt = self._project(x)
@@ -283,6 +282,49 @@ class Mamba2(nnx.Module):
       bufs = cache.bufs.replace(state=state)
     y = jnp.where(live[:, None], self._output(y, z), 0)
     return y, Mamba2LayerCache(conv_state=conv_state, bufs=bufs)
+
+  # ---- speculative verify ------------------------------------------------------------------
+
+  def verify(self, x, cache: Mamba2LayerCache, plan: ReplayPlan, *, lengths=None, implementation=None):
+    """T tokens per row in one step (token 0 = the emitted token, then T-1 drafts), ReplaySSM only.
+
+    As ``GatedDeltaNet.verify``: conv (continuing the slot's stored inputs), then
+    ``mamba2.replay_verify``; the ring gets all T entries, cursor and conv state stay as they are
+    until ``commit``.
+
+    Args:
+      x: [B, T, D] activations, T = ``plan.num_tokens``.
+      cache: this layer's Mamba2LayerCache.
+      plan: ReplayPlan from the model's shared ``cursor.plan(slots, num_tokens=T)``.
+      lengths: optional int32[B] real tokens per row in [1, T] (None: all T); padded lanes are
+        inert. Commit at most ``lengths[b]`` tokens.
+      implementation: forwarded to ``mamba2.replay_verify`` (None = fastest available).
+
+    Returns:
+      (y [B, T, D] in the layer dtype, zeros on padding rows; cache with the ring written;
+      window [B, W-1+T, C], the conv inputs ``commit`` needs to roll the conv state forward).
+    """
+    self._check_x("x", x, 3, "([B, T, D])")
+    self._check_cache(cache)
+    slots = _conv.plan_slots(plan, x.shape[0])
+
+    z, xbc, dt = self._project(x)
+    conv, window = _conv.verify(xbc, self.conv_weight[...], self.conv_bias[...], cache.conv_state,
+                                slots)
+    xs, B, C = self._split(jax.nn.silu(conv))
+    A, D, dt_bias = self._ssm_params()
+    y, bufs = mamba2.replay_verify(xs, dt.astype(f32), A, B, C, cache.bufs, plan, D=D,
+                                   dt_bias=dt_bias, dt_softplus=True, lengths=lengths,
+                                   implementation=implementation)
+    y = jnp.where((slots >= 0)[:, None, None], self._output(y, z), 0)
+    return y, cache.replace(bufs=bufs), window
+
+  def commit(self, cache: Mamba2LayerCache, window, plan: ReplayPlan, num_accepted) -> Mamba2LayerCache:
+    """After ``verify``: the conv state of each live row becomes its last W-1 inputs up to its
+    ``num_accepted`` (int32[B] in [1, T]) accepted tokens; rejected drafts leave no trace. The
+    ring needs nothing: the caller's ``cursor.commit(plan, num_accepted)`` is its rollback."""
+    self._check_cache(cache)
+    return cache.replace(conv_state=_conv.commit(cache.conv_state, window, plan.slots, num_accepted))
 
   def __call__(self, x, cache, plan, *, replay=True, implementation=None):
     """Alias of ``decode``."""
