@@ -10,6 +10,7 @@
   and reports median and p20/p80.
 * The copy ceiling: an in-place ``x + z`` (``z`` a traced zero, so XLA cannot fold it) over a few
   rotating buffers of ≥ 2 GB in all, timed the same way; bandwidth = bytes read + written / time.
+* Random data: a counter-based integer hash (``hash_uniform``, ``hash_normal``) and ``l2_normalize``.
 * Launch-config strings (``bv32w2``), parallel compilation, text/markdown tables, result files.
 """
 import concurrent.futures
@@ -251,6 +252,38 @@ def measure_copy_ceiling(total_bytes: int, *, num_buffers: int = 4, passes_per_c
           "num_buffers": num_buffers, "n_cycles": timing.n_cycles, "compile_s": compile_s,
           "times_s": timing.times_s, "finite": ok,
           "method": "in-place x + z (z traced zero) over rotating float32 buffers; bytes read + written"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Random data
+
+def hash_uniform(stream: int, shape, lo: float, hi: float):
+  """Uniform [lo, hi) float32 from a counter-based integer hash of (stream, flat index).
+
+  A few elementwise integer ops: compiles in milliseconds on every backend (jax.random's threefry
+  takes seconds per array on XLA:CPU) and generates gigabytes quickly on the GPU. Statistical
+  quality is irrelevant here; what matters is non-zero, non-repeating data.
+  """
+  n = math.prod(shape)
+  if n >= 1 << 32:
+    raise ValueError(f"{shape} has {n} elements; the hash generator indexes with uint32 (lower --target-bytes)")
+  x = lax.iota(jnp.uint32, n) * jnp.uint32(0x9E3779B1) + jnp.uint32((stream * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF)
+  for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
+    x = x ^ (x >> shift)
+    if mult is not None:
+      x = x * jnp.uint32(mult)
+  u = (x >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+  return (lo + (hi - lo) * u).reshape(shape)
+
+
+def hash_normal(stream: int, shape):
+  """Zero-mean, unit-variance (uniform) noise from ``hash_uniform``."""
+  return hash_uniform(stream, shape, -math.sqrt(3.0), math.sqrt(3.0))
+
+
+def l2_normalize(x, axis=-1):
+  """``x`` scaled to unit L2 norm along ``axis``."""
+  return x * lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + 1e-12)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from jax import lax
 import replayssm_jax as rs
 
 from bench import common
-from bench.gdn_decode import _normal, _random, _unit
+from bench.common import hash_normal, hash_uniform, l2_normalize
 
 ARMS = ("replay-pallas", "replay-xla", "conv-pallas", "conv-xla")
 
@@ -81,16 +81,16 @@ class Family:
     """``sets`` random input sets [S, B, T, ...] (activations in act_dtype, decays float32)."""
     g, adt, shp = self.geo, jnp.dtype(act_dtype), (sets, batch, t)
     if self.name == "gdn":
-      q = _normal(seed, shp + (g["hk"], g["kd"])).astype(adt)
-      k = _unit(_normal(seed + 1, shp + (g["hk"], g["kd"]))).astype(adt)
-      v = _normal(seed + 2, shp + (g["hv"], g["vd"])).astype(adt)
-      gd = -_random(seed + 3, shp + (g["hv"],), 0.01, 0.5)
-      beta = jax.nn.sigmoid(_normal(seed + 4, shp + (g["hv"],))).astype(adt)
+      q = hash_normal(seed, shp + (g["hk"], g["kd"])).astype(adt)
+      k = l2_normalize(hash_normal(seed + 1, shp + (g["hk"], g["kd"]))).astype(adt)
+      v = hash_normal(seed + 2, shp + (g["hv"], g["vd"])).astype(adt)
+      gd = -hash_uniform(seed + 3, shp + (g["hv"],), 0.01, 0.5)
+      beta = jax.nn.sigmoid(hash_normal(seed + 4, shp + (g["hv"],))).astype(adt)
       return q, k, v, gd, beta
-    x = _normal(seed, shp + (g["h"], g["p"])).astype(adt)
-    dt = _random(seed + 1, shp + (g["h"],), -3.0, 0.0)
-    B = _normal(seed + 2, shp + (g["g"], g["n"])).astype(adt)
-    C = _normal(seed + 3, shp + (g["g"], g["n"])).astype(adt)
+    x = hash_normal(seed, shp + (g["h"], g["p"])).astype(adt)
+    dt = hash_uniform(seed + 1, shp + (g["h"],), -3.0, 0.0)
+    B = hash_normal(seed + 2, shp + (g["g"], g["n"])).astype(adt)
+    C = hash_normal(seed + 3, shp + (g["g"], g["n"])).astype(adt)
     return x, dt, B, C
 
   def params(self):
@@ -166,7 +166,7 @@ def init(setup: Setup, family_kind: str):
   sdt = jnp.dtype(setup.state_dtype)
   seed = 64 * setup.seed + 8 * t
   bank = f.bank(seed, setup.bank, B, t, setup.act_dtype)
-  state = (_normal(seed + 5, (P * B,) + f.state_shape()) * 0.1).astype(sdt)
+  state = (hash_normal(seed + 5, (P * B,) + f.state_shape()) * 0.1).astype(sdt)
   o = jnp.zeros(bank[0].shape[1:3] + f.state_shape()[:2], setup.act_dtype)
   step = jnp.zeros((), jnp.int32)
   if family_kind == "conv":
@@ -179,10 +179,10 @@ def init(setup: Setup, family_kind: str):
   rings = {}
   for i, name in enumerate(x for x in ("ring_k", "ring_u", "ring_x", "ring_B") if getattr(bufs, x, None) is not None):
     ring = getattr(bufs, name)
-    rings[name] = (_unit(_normal(seed + 6 + i, ring.shape)) if name in ("ring_k", "ring_B")
-                   else _normal(seed + 6 + i, ring.shape)).astype(ring.dtype)
+    rings[name] = (l2_normalize(hash_normal(seed + 6 + i, ring.shape)) if name in ("ring_k", "ring_B")
+                   else hash_normal(seed + 6 + i, ring.shape)).astype(ring.dtype)
   decay = "ring_g" if f.name == "gdn" else "ring_a"
-  rings[decay] = -_random(seed + 9, getattr(bufs, decay).shape, 0.01, 0.5)
+  rings[decay] = -hash_uniform(seed + 9, getattr(bufs, decay).shape, 0.01, 0.5)
   bufs = bufs.replace(state=state, **rings)
   # Staggered phases: counts spread over [0, L-1], random bases (every slot of every layer).
   count = jnp.asarray(rng.integers(0, setup.buffer_len, size=P * B).astype(np.int32))

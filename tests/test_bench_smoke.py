@@ -9,6 +9,7 @@ import pytest
 
 from bench import common
 from bench import gdn_decode
+from bench import harness
 
 META_FIELDS = ("date", "device_kind", "platform", "jax_version", "jaxlib_version", "command", "argv",
                "git_commit", "source_digest", "geometry", "options", "elapsed_s")
@@ -31,7 +32,7 @@ def test_smoke_run_writes_complete_results(tmp_path):
   assert data["ceiling"]["gbps"] > 0 and len(data["ceiling"]["runs"]) == 2
   assert {"conv", "replay", "not_counted"} <= set(data["bytes_model"])
 
-  pallas_missing = gdn_decode.pallas_available() is not None
+  pallas_missing = gdn_decode.BENCH.pallas_available() is not None
   by_label = {(r["label"], r["buffer_len"]): r for r in data["rows"]}
   for arm in gdn_decode.DEFAULT_ARMS:
     assert any(r["arm"] == arm for r in data["rows"]), arm
@@ -101,8 +102,8 @@ def test_bytes_model_qwen35_4b():
   assert rep["total"] == pytest.approx(io + state * (1 + 1 / 16) + entry * (15 / 2 + 1))
   assert rep["total"] / conv["total"] == pytest.approx(0.559, abs=1e-3)
   # P·pool >= 1 GiB, P >= 2.
-  assert gdn_decode.layers_for(geo, 512, "float32", 2**30, 4096) == 2
-  assert gdn_decode.layers_for(geo, 1, "bfloat16", 2**30, 4096) == 1024
+  assert harness.layers_for(geo, 512, "float32", 2**30, 4096) == 2
+  assert harness.layers_for(geo, 1, "bfloat16", 2**30, 4096) == 1024
 
 
 def test_launch_config_strings():
