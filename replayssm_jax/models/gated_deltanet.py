@@ -36,9 +36,9 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import gdn
-from replayssm_jax import _checks
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 from replayssm_jax.models import _conv
+from replayssm_jax.models import _mixer
 
 f32 = jnp.float32
 L2_EPS = 1e-6
@@ -114,13 +114,15 @@ class GdnLayerCache:
   bufs: gdn.ReplayBuffers
 
 
-class GatedDeltaNet(nnx.Module):
+class GatedDeltaNet(_mixer.ConvMixer, nnx.Module):
   """Qwen3-Next GatedDeltaNet mixer: ``[..., D] → [..., D]`` with an explicit decode cache.
 
   Parameters: ``in_proj`` (D → C + Hv·V + 2·Hv, no bias; output order q | k | v | z | b | a),
   ``conv_weight`` [W, C], ``A_log`` [Hv], ``dt_bias`` [Hv], ``norm_weight`` [V], ``out_proj``
   (Hv·V → D, no bias).
   """
+
+  cache_type = GdnLayerCache
 
   def __init__(self, config: GatedDeltaNetConfig, *, rngs: nnx.Rngs):
     if not isinstance(config, GatedDeltaNetConfig):
@@ -159,14 +161,6 @@ class GatedDeltaNet(nnx.Module):
     return GdnLayerCache(conv_state=conv_state, bufs=bufs)
 
   # ---- shared pieces -----------------------------------------------------------------------
-
-  def _check_x(self, name, x, ndim, what):
-    _checks.expect_float(name, x)
-    _checks.expect_shape(name, x, (None,) * (ndim - 1) + (self.config.hidden_size,), what)
-
-  def _check_cache(self, cache):
-    if not isinstance(cache, GdnLayerCache):
-      raise ValueError(f"cache must be a GdnLayerCache (from init_cache); got {type(cache).__name__}")
 
   def _project(self, x):
     """x [..., D] → (qkv [..., C] pre-conv, z [..., Hv, V], b [..., Hv], a [..., Hv])."""
@@ -313,14 +307,3 @@ class GatedDeltaNet(nnx.Module):
                                 implementation=implementation)
     y = jnp.where((slots >= 0)[:, None, None], self._output(o, z), 0)
     return y, cache.replace(bufs=bufs), window
-
-  def commit(self, cache: GdnLayerCache, window, plan: ReplayPlan, num_accepted) -> GdnLayerCache:
-    """After ``verify``: the conv state of each live row becomes its last W-1 inputs up to its
-    ``num_accepted`` (int32[B] in [1, T]) accepted tokens; rejected drafts leave no trace. The
-    ring needs nothing: the caller's ``cursor.commit(plan, num_accepted)`` is its rollback."""
-    self._check_cache(cache)
-    return cache.replace(conv_state=_conv.commit(cache.conv_state, window, plan.slots, num_accepted))
-
-  def __call__(self, x, cache, plan, *, replay=True, implementation=None):
-    """Alias of ``decode``."""
-    return self.decode(x, cache, plan, replay=replay, implementation=implementation)

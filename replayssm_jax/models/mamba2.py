@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax import _checks
 from replayssm_jax import mamba2
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 from replayssm_jax.models import _conv
+from replayssm_jax.models import _mixer
 
 f32 = jnp.float32
 # Raw dt at padded prompt positions: softplus(PAD_DT + dt_bias) is exactly 0 in float32, so the
@@ -109,13 +109,15 @@ class Mamba2LayerCache:
   bufs: mamba2.ReplayBuffers
 
 
-class Mamba2(nnx.Module):
+class Mamba2(_mixer.ConvMixer, nnx.Module):
   """Mamba2 mixer: ``[..., D] → [..., D]`` with an explicit decode cache.
 
   Parameters: ``in_proj`` (D → I + C + H, no bias; output order z | x | B | C | dt),
   ``conv_weight`` [W, C], ``conv_bias`` [C], ``A_log`` [H], ``D`` [H], ``dt_bias`` [H],
   ``norm_weight`` [I], ``out_proj`` (I → D, no bias).
   """
+
+  cache_type = Mamba2LayerCache
 
   def __init__(self, config: Mamba2Config, *, rngs: nnx.Rngs):
     if not isinstance(config, Mamba2Config):
@@ -153,14 +155,6 @@ class Mamba2(nnx.Module):
     return Mamba2LayerCache(conv_state=conv_state, bufs=bufs)
 
   # ---- shared pieces -----------------------------------------------------------------------
-
-  def _check_x(self, name, x, ndim, what):
-    _checks.expect_float(name, x)
-    _checks.expect_shape(name, x, (None,) * (ndim - 1) + (self.config.hidden_size,), what)
-
-  def _check_cache(self, cache):
-    if not isinstance(cache, Mamba2LayerCache):
-      raise ValueError(f"cache must be a Mamba2LayerCache (from init_cache); got {type(cache).__name__}")
 
   def _project(self, x):
     """x [..., D] → (z [..., H, P], xBC [..., C] pre-conv, dt [..., H])."""
@@ -318,14 +312,3 @@ class Mamba2(nnx.Module):
                                    implementation=implementation)
     y = jnp.where((slots >= 0)[:, None, None], self._output(y, z), 0)
     return y, cache.replace(bufs=bufs), window
-
-  def commit(self, cache: Mamba2LayerCache, window, plan: ReplayPlan, num_accepted) -> Mamba2LayerCache:
-    """After ``verify``: the conv state of each live row becomes its last W-1 inputs up to its
-    ``num_accepted`` (int32[B] in [1, T]) accepted tokens; rejected drafts leave no trace. The
-    ring needs nothing: the caller's ``cursor.commit(plan, num_accepted)`` is its rollback."""
-    self._check_cache(cache)
-    return cache.replace(conv_state=_conv.commit(cache.conv_state, window, plan.slots, num_accepted))
-
-  def __call__(self, x, cache, plan, *, replay=True, implementation=None):
-    """Alias of ``decode``."""
-    return self.decode(x, cache, plan, replay=replay, implementation=implementation)
