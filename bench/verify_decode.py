@@ -100,11 +100,21 @@ class Family:
     h = self.geo["h"]
     return {"A": -jnp.linspace(1.0, 8.0, h), "D": jnp.ones((h,)), "dt_bias": jnp.zeros((h,))}
 
-  def replay(self, inputs, bufs, plan, impl):
+  def replay(self, inputs, bufs, plan, impl, knobs=()):
+    """The op; with ``knobs`` (launch overrides) the Pallas wrapper is called directly, all tokens real."""
+    lengths = jnp.full(inputs[0].shape[:1], plan.num_tokens, jnp.int32)
     if self.name == "gdn":
+      if knobs:
+        from replayssm_jax.pallas import gdn_verify_triton
+        return gdn_verify_triton.replay_verify(*inputs, bufs, plan, lengths,
+                                               scale=self.geo["kd"] ** -0.5, **dict(knobs))
       return rs.gdn.replay_verify(*inputs, bufs, plan, implementation=impl)
     x, dt, B, C = inputs
     p = self.params()
+    if knobs:
+      from replayssm_jax.pallas import mamba2_verify_triton
+      return mamba2_verify_triton.replay_verify(x, dt, p["A"], B, C, bufs, plan, lengths, D=p["D"], z=None,
+                                                dt_bias=p["dt_bias"], dt_softplus=True, **dict(knobs))
     return rs.mamba2.replay_verify(x, dt, p["A"], B, C, bufs, plan, D=p["D"], dt_bias=p["dt_bias"],
                                    implementation=impl)
 
@@ -138,6 +148,7 @@ class Setup:
   bank: int
   cycle_steps: int
   seed: int
+  knobs: tuple = ()   # launch overrides of the replay-pallas arm, sorted (name, value) pairs
 
 
 def memory_per_request(family: Family, t: int, buffer_len: int, state_dtype: str, ring_dtype: str) -> dict:
@@ -210,7 +221,8 @@ def make_runner(setup: Setup, kind: str, impl: str):
       plan = meta.plan(slots, num_tokens=t)
 
       def layer(l, c2):
-        o, bufs = f.replay(inputs((s + l) % nb), c2[0], plan.replace(slots=slots + l * B), impl)
+        o, bufs = f.replay(inputs((s + l) % nb), c2[0], plan.replace(slots=slots + l * B), impl,
+                           setup.knobs)
         return bufs, o
       buf, o = lax.fori_loop(0, P, layer, (buf, o))
       return buf, meta.commit(plan, accepted), o, s + 1
@@ -226,12 +238,15 @@ def first_output(setup: Setup, kind: str, impl: str, carry, consts):
   inp = tuple(x[0] for x in bank)
   if kind == "conv":
     return f.conventional(inp, carry[0], slots, carry[1], impl)[0]
-  return f.replay(inp, carry[0], carry[1].plan(slots, num_tokens=setup.num_tokens), impl)[0]
+  knobs = setup.knobs if impl != "xla" else ()
+  return f.replay(inp, carry[0], carry[1].plan(slots, num_tokens=setup.num_tokens), impl, knobs)[0]
 
 
 def run_arm(setup: Setup, arm: str, args) -> dict:
   kind, impl = arm.split("-")
   impl = {"pallas": "pallas_triton", "xla": "xla"}[impl]
+  if setup.knobs:
+    arm = f"{arm}[{' '.join(f'{k}={v}' for k, v in setup.knobs)}]"
   row = {"arm": arm, "family": setup.family.name, "kind": kind, "impl": impl, "batch": setup.batch,
          "num_tokens": setup.num_tokens, "buffer_len": setup.buffer_len, "state_dtype": setup.state_dtype,
          "ring_dtype": setup.ring_dtype, "layers": setup.layers, "cycle_steps": setup.cycle_steps,
@@ -293,6 +308,15 @@ def _ints(text):
   return [int(x) for x in text.split(",") if x]
 
 
+def _variants(text):
+  """'a=1:b=x,c=2' → [(('a', 1), ('b', 'x')), (('c', 2),)]; an empty item is the default config."""
+  out = []
+  for item in text.split(","):
+    pairs = [kv.split("=", 1) for kv in item.split(":") if kv]
+    out.append(tuple(sorted((k, int(v) if v.isdigit() else v) for k, v in pairs)))
+  return out
+
+
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m bench.verify_decode", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -306,6 +330,9 @@ def parse_args(argv):
   p.add_argument("--ring-dtype", default="bfloat16")
   p.add_argument("--act-dtype", default="bfloat16")
   p.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS))
+  p.add_argument("--variants", type=_variants, default=[()],
+                 help="launch variants of the replay-pallas arm, comma-separated, each "
+                      "key=value[:key=value...], e.g. block_v=64:matmul=tf32x3 ('' = the config's)")
   p.add_argument("--target-bytes", type=float, default=2**30, help="P layers: P·state pool >= this")
   p.add_argument("--max-layers", type=int, default=64)
   p.add_argument("--cycle-steps", type=int, default=16, help="honest steps per timed cycle")
@@ -348,13 +375,15 @@ def main(argv=None) -> dict:
         P = int(min(args.max_layers, max(2, math.ceil(args.target_bytes / pool))))
         setup = Setup(family, B, t, args.buffer_len, P, sdt, args.ring_dtype, args.act_dtype, args.bank,
                       args.cycle_steps, args.seed)
-        for arm in args.arms:
+        runs = [(arm, knobs) for arm in args.arms
+                for knobs in (args.variants if arm == "replay-pallas" else [()])]
+        for arm, knobs in runs:
           if arm.endswith("xla") and args.xla_batches is not None and B not in args.xla_batches:
             continue
-          row = run_arm(setup, arm, args)
+          row = run_arm(dataclasses.replace(setup, knobs=knobs), arm, args)
           row.update(memory_per_request=mem["replay" if row["kind"] == "replay" else "conv_t_plus_1"])
           rows.append(row)
-          common.log(f"{family.name} {sdt} T={t} B={B} P={P} {arm}: {row['status']} "
+          common.log(f"{family.name} {sdt} T={t} B={B} P={P} {row['arm']}: {row['status']} "
                      f"{common.fmt_float(row.get('median_ms'), '.4f')} ms/layer-step"
                      + (f" ({row['error']})" if row["error"] else ""))
   derive(rows)

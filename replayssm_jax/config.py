@@ -95,7 +95,7 @@ def decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
 
 
 def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
-                  num_k_heads: int, batch: int, buffer_len: int) -> ReplayConfig:
+                  num_k_heads: int, batch: int, buffer_len: int, ring_size: int) -> ReplayConfig:
   """Replay step, grid (V/BV, Hk, B), plus the fold pass, grid (V/BV · K/BK, Hv, fold_rows)."""
   # Output-only never builds S: H200, B=256, L=16, f32: 0.219 ms vs 0.39 ms or more reconstructing.
   route = "output_only"
@@ -113,7 +113,7 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
     step = step.override(block_v=max(16, step.block_v // 2))
   # Fold: runs on the flushing rows only, one [BV, BK] tile per program. CPU: two V and two K
   # tiles so the tests cover the tile indexing.
-  fold = _fold_tile(device_kind, head_k_dim)
+  fold = _fold_tile(device_kind, head_k_dim, ring_size)
   # Rows at staggered phases flush about B/L per step; twice that many row slots keeps one row
   # per fold program in steady state, and rows beyond (synchronised flushes) loop, never drop.
   fold_rows = min(batch, _next_pow2(-(-2 * batch // buffer_len)))
@@ -121,18 +121,25 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
                       fold_rows=fold_rows)
 
 
-def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int) -> KernelConfig:
+def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int,
+                       ring_size: int) -> KernelConfig:
   """Materialize runs the fold kernel body on every row (f32 output)."""
   # Same tile as the fold pass: it is the same kernel body (not on the decode hot path).
-  return _fold_tile(device_kind, head_k_dim).fit(head_v_dim, head_k_dim)
+  return _fold_tile(device_kind, head_k_dim, ring_size).fit(head_v_dim, head_k_dim)
 
 
-def _fold_tile(device_kind: str, head_k_dim: int) -> KernelConfig:
+def _fold_tile(device_kind: str, head_k_dim: int, ring_size: int) -> KernelConfig:
   if _is_cpu(device_kind):
     return KernelConfig(block_v=16, block_k=max(head_k_dim // 2, 1), num_warps=4)
-  # H200 sweep 2026-11-29, B=256, L=16: a [32, 64] tile in 2 warps (f32 0.2191, bf16 0.1438 ms per
-  # layer-step in all); [16-64, 64-128] tiles with 1-4 warps within 2 %, except [64, 128] f32
-  # (spills: 0.63 ms).
+  if ring_size >= 32:
+    # The fold's window sum is an IEEE-f32 dot over R entries, which holds R-long operand rows in
+    # each thread: with R = 32 the [32, 64] / 2-warp tile spills (ncu: 7 GB of local loads, 2.83 ms
+    # for 62 flushing rows, H200, Qwen3.5-4B, 2026-11-29). [16, 64] in 4 warps: 63 registers, no
+    # spills, 0.184 ms; [16, 32] 0.27, [16, 128] 0.35, [32, 32] 0.36, [8, 128] 0.39 ms.
+    return KernelConfig(block_v=16, block_k=64, num_warps=4)
+  # H200 sweep 2026-11-29, B=256, L=16 (R = 16): a [32, 64] tile in 2 warps (f32 0.2191, bf16
+  # 0.1438 ms per layer-step in all); [16-64, 64-128] tiles with 1-4 warps within 2 %, except
+  # [64, 128] f32 (spills: 0.63 ms).
   return KernelConfig(block_v=32, block_k=64, num_warps=2)
 
 
@@ -262,18 +269,20 @@ def mamba2_materialize_config(*, device_kind: str, head_dim: int, state_dim: int
 
 
 def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
-                  num_k_heads: int, batch: int, buffer_len: int, num_tokens: int) -> ReplayConfig:
+                  num_k_heads: int, batch: int, buffer_len: int, ring_size: int,
+                  num_tokens: int) -> ReplayConfig:
   """Verify step, grid (V/BV, Hk, B), T tokens per row; then the replay fold pass."""
   base = replay_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                        head_v_dim=head_v_dim, num_k_heads=num_k_heads, batch=batch,
-                       buffer_len=buffer_len)
+                       buffer_len=buffer_len, ring_size=ring_size)
   if _is_cpu(device_kind):
     # Interpret mode: the replay step's tiles (two V tiles, two K chunks cover the indexing).
     step = base.step
   elif num_tokens <= 4:
-    # *untuned*: each program keeps 2T checkpoint readouts (S_c·k_i, S_c·q_i) and T corrected values
-    # of BV rows live; a [32, 64] tile in 2 warps halves the replay step's tile for that.
-    step = KernelConfig(block_v=32, num_warps=2, block_k=64).fit(head_v_dim, head_k_dim)
+    # Each program keeps 2T checkpoint readouts (S_c·k_i, S_c·q_i) and T corrected values of BV rows
+    # live. H200 2026-11-29, B=256, T=4, L=16 (R=32), step kernel alone: [32, 64] in 4 warps 1.26 ms,
+    # 2 warps 1.30; [16, 64] 1.64 (4 warps) / 1.93 (2); [16, 128] 1.61; [32, 32] 1.70.
+    step = KernelConfig(block_v=32, num_warps=4, block_k=64).fit(head_v_dim, head_k_dim)
   else:
     # *untuned*: T = 5..8 doubles the live vectors again: [16, 64] tiles, 4 warps for the 2T reductions.
     step = KernelConfig(block_v=16, num_warps=4, block_k=64).fit(head_v_dim, head_k_dim)

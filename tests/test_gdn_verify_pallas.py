@@ -142,7 +142,7 @@ def _rows(rng, step):
   return [rows[i] for i in rng.permutation(BATCH)]
 
 
-@pytest.mark.parametrize("num_tokens,buffer_len,steps", [(2, 4, 14), (4, 8, 14)])
+@pytest.mark.parametrize("num_tokens,buffer_len,steps", [(2, 4, 14), (4, 8, 14), (8, 16, 10)])
 def test_random_accepts_parity(num_tokens, buffer_len, steps):
   """Staggered rows (slots join late, permuted batches), a padding row, short rows (NaN in padded
   lanes), random forced flushes, random accepts; Pallas == XLA == float64 at every step."""

@@ -108,13 +108,24 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_
     o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
 
 
-def _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, s, hk, heads, tile, rk_smem, ru_smem, rg_smem,
-                bars):
-  """TMA of the slot's key ring [R, K] and, per value head i, its u tile [R, BV] and g [R]."""
+def _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, s, hk, h0, heads, tile, rk_smem, ru_smem,
+                rg_smem, bars):
+  """TMA of the slot's key ring [R, K], the g rings [r, R] of value heads h0..h0+r-1 and, per value
+  head i, its u tile [R, BV]. Barriers: 0 keys, 1 g, 2 + i the u tile of head i.
+
+  Alignment (multi-dim TMA, which Mosaic uses for every GMEM -> SMEM copy): the SMEM destination
+  must be 128-byte aligned, the GMEM strides and the innermost box row multiples of 16 bytes.
+  Scratch buffers start 1024-byte aligned, but a sub-buffer ``rg_smem.at[i]`` starts at i·R·4
+  bytes (16/32/64 for R = 4/8/16), so a per-head g TMA into it is misaligned for i > 0 (the likely
+  cause of the CUDA_ERROR_MISALIGNED_ADDRESS first seen on the H200). The r heads of a key head
+  are adjacent in ring_g [N, Hv, R], so one [r, R] box fills the whole (aligned) buffer.
+  ``ru_smem.at[i]`` starts at i·R·BV·itemsize, a multiple of 128 bytes (checked in
+  _require_lowerable).
+  """
   plgpu.copy_gmem_to_smem(ring_k_ref.at[s, hk], rk_smem, bars.at[0])
-  for i, h in enumerate(heads):
-    plgpu.copy_gmem_to_smem(ring_u_ref.at[s, h, :, tile], ru_smem.at[i], bars.at[1 + 2 * i])
-    plgpu.copy_gmem_to_smem(ring_g_ref.at[s, h], rg_smem.at[i], bars.at[2 + 2 * i])
+  plgpu.copy_gmem_to_smem(ring_g_ref.at[s, pl.ds(h0, heads)], rg_smem, bars.at[1])
+  for i in range(heads):
+    plgpu.copy_gmem_to_smem(ring_u_ref.at[s, h0 + i, :, tile], ru_smem.at[i], bars.at[2 + i])
 
 
 def _wait_all(bars, n):
@@ -131,11 +142,12 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref,
   ss = jnp.maximum(s, 0)   # padding rows stage slot 0 (harmless) and write nothing
   tile = pl.ds(vt * block_v, block_v)
   heads = [hk * group + i for i in range(group)]
-  nbar = 1 + 2 * group
+  nbar = 2 + group          # ring barriers (see _stage_ring); then one per checkpoint tile
   for i, h in enumerate(heads):
+    # S_smem.at[i] starts at i·BV·K·itemsize bytes: a multiple of 128 (BV, K multiples of 64).
     plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], S_smem.at[i], bars.at[nbar + i])
-  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, hk, heads, tile, rk_smem, ru_smem, rg_smem,
-              bars)
+  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, hk, hk * group, group, tile, rk_smem,
+              ru_smem, rg_smem, bars)
   base, count = base_ref[b], count_ref[b]
   put = (base + count) % ring_size                                 # token 0's ring index
   k = _vec(k_ref.at[b, hk], _ROW_K)
@@ -215,7 +227,7 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
   ss = jnp.maximum(s, 0)
   tile = pl.ds(vt * block_v, block_v)
   plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], S_smem, bars.at[3])
-  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, h // group, [h], tile, rk_smem, ru_smem,
+  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, h // group, h, 1, tile, rk_smem, ru_smem,
               rg_smem, bars)
   _wait_all(bars, 4)
   S = plgpu.load(S_smem, layout=_TILE).astype(f32)
@@ -276,7 +288,7 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
       grid=(vd // bv, hk, batch), grid_names=("vt", "hk", "b"),
       scratch_types=dict(S_smem=plgpu.SMEM((group, bv, kd), bufs.state.dtype),
                          **_ring_scratch(bufs, group, bv),
-                         bars=plgpu.Barrier(num_barriers=1 + 3 * group)),
+                         bars=plgpu.Barrier(num_barriers=2 + 2 * group)),
       kernel_name="replayssm_gdn_replay_mosaic", interpret=_interpret(interpret),
   )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), q, k, v, g, beta, *refs)
   state, ring_k, ring_u, ring_g = (jax.freeze(r) for r in refs)
@@ -312,18 +324,27 @@ def _smem_bytes(block_v, head_k_dim, *, heads, state_dtype, ring_size=0, ring_dt
   return heads * block_v * head_k_dim * jnp.dtype(state_dtype).itemsize + ring + out
 
 
-def _require_lowerable(op, *, head_k_dim, head_v_dim, block_v, ring_size, smem):
+def _require_lowerable(op, *, head_k_dim, head_v_dim, block_v, ring_size, smem, ring_itemsize=4):
   """NotImplementedError for shapes the Mosaic lowering cannot take (checked when compiling;
-  the interpreter ignores layouts, so CPU tests may use smaller tiles)."""
+  the interpreter ignores layouts, so CPU tests may use smaller tiles).
+
+  TMA rules behind the checks: at most 256 elements per box dimension; GMEM strides and the
+  innermost box row in multiples of 16 bytes; SMEM destinations 128-byte aligned (per-head
+  sub-buffers ``S_smem.at[i]``, ``ru_smem.at[i]`` start at multiples of their tile bytes).
+  """
   if common.interpret_mode():
     return
   problems = []
-  if block_v % 64 or head_v_dim % block_v:
+  if block_v % 64 or head_v_dim % block_v or block_v > 256:
     problems.append(f"V tile {block_v} of V={head_v_dim} (the WGMMA layout needs 64-row tiles)")
   if head_k_dim % 64 or head_k_dim > 256:
     problems.append(f"K={head_k_dim} (needs a multiple of 64, at most 256: layout and TMA box)")
-  if ring_size and ring_size < 4:
-    problems.append(f"ring size R={ring_size} (the TMA of the [R] decay ring needs >= 16 bytes)")
+  if ring_size and (ring_size < 4 or ring_size > 256):
+    problems.append(f"ring size R={ring_size} (the TMA of the [R] decay ring needs >= 16 bytes, "
+                    f"a TMA box at most 256 rows)")
+  if ring_size and (ring_size * block_v * ring_itemsize) % 128:
+    problems.append(f"ring u tile of {ring_size * block_v * ring_itemsize} bytes (per-head SMEM "
+                    f"TMA destinations must stay 128-byte aligned)")
   if smem > _SMEM_BUDGET:
     problems.append(f"{smem} bytes of SMEM per program (budget {_SMEM_BUDGET})")
   if problems:
@@ -371,7 +392,8 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
   smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=group, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype)
   _require_lowerable(op, head_k_dim=bufs.head_k_dim, head_v_dim=bufs.head_v_dim,
-                     block_v=cfg.block_v, ring_size=bufs.ring_size, smem=smem)
+                     block_v=cfg.block_v, ring_size=bufs.ring_size, smem=smem,
+                     ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
   return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,
                         interpret=common.interpret_mode())
 
@@ -385,5 +407,5 @@ def materialize(bufs: ReplayBuffers, slots, base, length, *, block_v=None):
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype, out_f32=True)
   _require_lowerable("gdn.materialize[pallas_mosaic]", head_k_dim=bufs.head_k_dim,
                      head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,
-                     smem=smem)
+                     smem=smem, ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
   return _materialize(bufs, slots, base, length, cfg=cfg, interpret=common.interpret_mode())

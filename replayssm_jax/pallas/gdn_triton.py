@@ -324,7 +324,8 @@ def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, block_v=None, blo
   common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
   cfg = config_lib.replay_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_k_dim=bufs.head_k_dim,
-      head_v_dim=bufs.head_v_dim, num_k_heads=bufs.num_k_heads, batch=batch, buffer_len=buffer_len)
+      head_v_dim=bufs.head_v_dim, num_k_heads=bufs.num_k_heads, batch=batch, buffer_len=buffer_len,
+      ring_size=bufs.ring_size)
   kd, vd = bufs.head_k_dim, bufs.head_v_dim
   step = _knobs(op, cfg.step, vd, kd, block_v=block_v, block_k=block_k, num_warps=num_warps,
                 num_stages=num_stages)
@@ -365,7 +366,7 @@ def materialize(bufs: ReplayBuffers, slots, base, length, *, block_v=None, num_w
   op = "gdn.materialize[pallas_triton]"
   common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
   cfg = config_lib.materialize_config(device_kind=common.device_kind(), head_k_dim=bufs.head_k_dim,
-                                      head_v_dim=bufs.head_v_dim)
+                                      head_v_dim=bufs.head_v_dim, ring_size=bufs.ring_size)
   cfg = _knobs(op, cfg, bufs.head_v_dim, bufs.head_k_dim, block_v=block_v, num_warps=num_warps,
                num_stages=num_stages)
   return _materialize(bufs, slots, base, length, cfg=cfg, interpret=common.interpret_mode())

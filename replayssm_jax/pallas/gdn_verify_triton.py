@@ -229,7 +229,7 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
   cfg = config_lib.verify_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_k_dim=kd, head_v_dim=vd,
       num_k_heads=bufs.num_k_heads, batch=q.shape[0], buffer_len=plan.buffer_len,
-      num_tokens=plan.num_tokens)
+      ring_size=bufs.ring_size, num_tokens=plan.num_tokens)
   step = gdn_triton._knobs(op, cfg.step, vd, kd, block_v=block_v, block_k=block_k,
                            num_warps=num_warps, num_stages=num_stages)
   fold = gdn_triton._knobs(op, cfg.fold, vd, kd, block_v=fold_block_v, block_k=fold_block_k,
