@@ -147,12 +147,22 @@ class ShardedLM:
 
   # ---- steps ---------------------------------------------------------------------------------
 
-  def _run(self, method, cache, batch_args, **static):
+  def _step(self, method, cache, n_batch, **static):
     key = (method, tuple(sorted(static.items())))
     if key not in self._steps:
       self._steps[key] = _sharded_step(self._graphdef, self.mesh, method, static, self._param_specs,
-                                       self._cache_specs(cache), len(batch_args))
-    return self._steps[key](self.params, cache, *batch_args)
+                                       self._cache_specs(cache), n_batch)
+    return self._steps[key]
+
+  def _run(self, method, cache, batch_args, **static):
+    return self._step(method, cache, len(batch_args), **static)(self.params, cache, *batch_args)
+
+  def decode_step(self, cache, *, replay=True, implementation=None):
+    """The jitted ``f(params, cache, tokens, slots, force_flush) → (logits, cache)`` behind
+    ``decode``, for decode loops inside an outer ``jax.jit``: pass ``self.params`` as an argument
+    (closing over them would embed every weight in the program as a constant). ``cache`` gives
+    the layout (shapes only)."""
+    return self._step("decode", cache, 3, replay=replay, implementation=implementation)
 
   def prefill(self, tokens, cache, slots, lengths, *, resume=False):
     """``LM.prefill`` on the mesh: (logits [B, T, vocab] replicated, sharded cache)."""
