@@ -42,19 +42,29 @@ def _loop(graphdef, *, replay, buffer_len, implementation):
   return jax.jit(run, donate_argnums=(1,))   # n traced: one compilation for every n
 
 
-def measure(model, batch, *, replay, buffer_len, reps, rep_seconds, implementation):
-  graphdef, params = nnx.split(model)
+def staggered_cache(model, batch, *, replay, buffer_len):
+  """A bf16-ring cache whose row b has b mod (L-1) pending entries (replay): mixed flush phases."""
   cache = model.init_cache(batch, buffer_len=buffer_len, ring_dtype=jnp.bfloat16)
   count = (jnp.arange(batch, dtype=jnp.int32) % max(1, buffer_len - 1)) if replay else cache.cursor.count
-  cache = cache.replace(cursor=cache.cursor.replace(count=count))
-  fn = _loop(graphdef, replay=replay, buffer_len=buffer_len, implementation=implementation)
-  carry = (jnp.ones((batch,), jnp.int32), cache)
-  _, timing = common.time_loop(lambda c, n: fn(params, c, n), carry, reps=reps, rep_seconds=rep_seconds)
+  return cache.replace(cursor=cache.cursor.replace(count=count))
+
+
+def step_row(timing, *, batch, replay, buffer_len) -> dict:
+  """A result row from ``common.time_loop``'s timing of L-step cycles."""
   per_step_ms = [1e3 * t / buffer_len for t in timing.per_cycle()]
   med, p20, p80 = common.quantiles(per_step_ms)
   return {"mode": "replay" if replay else "conventional", "batch": batch, "buffer_len": buffer_len,
           "ms_per_step": per_step_ms, "median_ms": med, "p20_ms": p20, "p80_ms": p80,
           "tokens_per_s": batch / (med / 1e3), "n_cycles": timing.n_cycles}
+
+
+def measure(model, batch, *, replay, buffer_len, reps, rep_seconds, implementation):
+  graphdef, params = nnx.split(model)
+  cache = staggered_cache(model, batch, replay=replay, buffer_len=buffer_len)
+  fn = _loop(graphdef, replay=replay, buffer_len=buffer_len, implementation=implementation)
+  carry = (jnp.ones((batch,), jnp.int32), cache)
+  _, timing = common.time_loop(lambda c, n: fn(params, c, n), carry, reps=reps, rep_seconds=rep_seconds)
+  return step_row(timing, batch=batch, replay=replay, buffer_len=buffer_len)
 
 
 def main(argv=None) -> dict:

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from bench import common
-from bench.model_decode import QWEN35_4B_LIKE, SMOKE, measure
+from bench.model_decode import QWEN35_4B_LIKE, SMOKE, measure, staggered_cache, step_row
 from replayssm_jax.models import LMConfig, make_model, shard_model
 
 
@@ -97,9 +97,7 @@ def _compare(model, sharded, one_device, replay, prompts, lengths, steps, batch,
 
 
 def measure_sharded(sharded, batch, *, replay, buffer_len, reps, rep_seconds) -> dict:
-  cache = sharded.model.init_cache(batch, buffer_len=buffer_len, ring_dtype=jnp.bfloat16)
-  count = (jnp.arange(batch, dtype=jnp.int32) % max(1, buffer_len - 1)) if replay else cache.cursor.count
-  cache = sharded.shard_cache(cache.replace(cursor=cache.cursor.replace(count=count)))
+  cache = sharded.shard_cache(staggered_cache(sharded.model, batch, replay=replay, buffer_len=buffer_len))
   slots = jnp.arange(batch, dtype=jnp.int32)
   no_flush = jnp.zeros((batch,), bool)
   decode = sharded.decode_step(cache, replay=replay)
@@ -112,11 +110,7 @@ def measure_sharded(sharded, batch, *, replay, buffer_len, reps, rep_seconds) ->
   fn = jax.jit(run, donate_argnums=(1,))   # n traced: one compilation for every n
   _, timing = common.time_loop(lambda c, n: fn(sharded.params, c, n), (jnp.ones((batch,), jnp.int32), cache),
                                reps=reps, rep_seconds=rep_seconds)
-  per_step = [1e3 * t / buffer_len for t in timing.per_cycle()]
-  med, p20, p80 = common.quantiles(per_step)
-  return {"mode": "replay" if replay else "conventional", "batch": batch, "buffer_len": buffer_len,
-          "ms_per_step": per_step, "median_ms": med, "p20_ms": p20, "p80_ms": p80,
-          "tokens_per_s": batch / (med / 1e3), "n_cycles": timing.n_cycles}
+  return step_row(timing, batch=batch, replay=replay, buffer_len=buffer_len)
 
 
 def main(argv=None) -> dict:

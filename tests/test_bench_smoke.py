@@ -197,20 +197,18 @@ def test_verify_memory_model_qwen35_4b():
 
 def test_tp_decode_smoke(tmp_path):
   """bench.tp_decode on 2 CPU host devices (a subprocess: the device count is fixed at backend start):
-  sharded greedy tokens == one-device tokens, caches equal, timing rows for both device counts."""
+  sharded greedy tokens == one-device tokens, caches equal. The timing part (CPU times mean nothing)
+  is left to the GPU run; it shares ``staggered_cache``/``step_row`` with model_decode's smoke test."""
   import os
   import pathlib
   import subprocess
   import sys
   out = tmp_path / "tp.json"
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-  subprocess.run([sys.executable, "-m", "bench.tp_decode", "--smoke", "--steps", "6", "--reps", "1",
-                  "--rep-seconds", "0", "--out-json", str(out)],
+  subprocess.run([sys.executable, "-m", "bench.tp_decode", "--smoke", "--steps", "6", "--skip-timing",
+                  "--out-json", str(out)],
                  cwd=pathlib.Path(__file__).resolve().parent.parent, env=env, check=True, timeout=600)
   rows = json.loads(out.read_text())["rows"]
-  equality = [r for r in rows if r["part"] == "equality"]
-  assert [r["mode"] for r in equality] == ["replay", "conventional"]
-  for r in equality:
+  assert [r["mode"] for r in rows] == ["replay", "conventional"] and {r["part"] for r in rows} == {"equality"}
+  for r in rows:
     assert r["tokens_identical"] and r["cache_max_abs_diff"] < 1e-4 and r["devices"] == 2, r
-  timing = [(r["mode"], r["devices"]) for r in rows if r["part"] == "timing"]
-  assert timing == [("conventional", 1), ("conventional", 2), ("replay", 1), ("replay", 2)]
