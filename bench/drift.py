@@ -560,6 +560,35 @@ def fit_series(series: dict, L: int | None, flush_steps, min_step: int = 0) -> d
   return out
 
 
+def excess_over_conventional(result: dict) -> None:
+  """Adds ``fit[what]["excess"]`` to every replay series (T = 1): the OLS slope, per 1000 steps, of
+  log10(error of replay / error of conventional decode) with the same family, regime and checkpoint
+  dtype, over the fit samples both have. It is the drift replay adds on top of what the same-precision
+  conventional recurrence does on the same inputs: where every arm's error rises with the regime
+  (a slowly decaying, growing state), this is the number that says whether replay is to blame."""
+  min_step = int(result["options"]["fit_skip"] * result["options"]["steps"])
+  conv = {(s["family"], s["regime"], s["state_dtype"]): s for s in result["series"]
+          if s.get("status") == "ok" and s["arm"] == "conventional"}
+  flush_steps = set(result["samples"]["flush_steps"])
+  for s in result["series"]:
+    c = conv.get((s["family"], s["regime"], s["state_dtype"]))
+    if s.get("status") != "ok" or s["arm"] != "replay" or c is None:
+      continue
+    at_c = {t: i for i, t in enumerate(c["step"])}
+    pairs = [(i, at_c[t]) for i, t in enumerate(s["step"]) if t in flush_steps and t >= min_step and t in at_c]
+    for what in ("state_err", "o_err"):
+      if s["fit"].get(what) is None or len(pairs) < 4:
+        continue
+      x = np.array([s["step"][i] + 1 for i, _ in pairs], np.float64) / 1000.0
+      ratio = [max(s[what][i], 1e-30) / max(c[what][j], 1e-30) for i, j in pairs]
+      f = ols(x, np.log10(ratio))
+      if f is None:
+        continue
+      lo, hi = f["ci95"]
+      s["fit"][what]["excess"] = {"per_kstep": f["slope"], "per_kstep_ci95": f["ci95"], "n": f["n"],
+                                  "verdict": "flat" if lo <= 0.0 <= hi else ("grows" if lo > 0 else "shrinks")}
+
+
 # ----------------------------------------------------------------------------------------------
 # Model-level check
 
@@ -726,6 +755,7 @@ def study(opts: Options, *, out_json=None, meta=None, log=common.log) -> dict:
                     for r in (result["model"] or {}).get("results", [])))
   elif opts.model_tokens > 0:
     result["skipped"].append({"model": True, "why": "max_seconds"})
+  excess_over_conventional(result)
   save()
   return result
 
@@ -749,6 +779,7 @@ def _log_series(log, s):
 # Summary table (for bench/RESULTS.md)
 
 def summary_rows(result: dict) -> list[list[str]]:
+  excess_over_conventional(result)   # derived from the series: also for JSON written before it existed
   rows = []
   for s in result["series"]:
     if s.get("status") != "ok":
@@ -764,16 +795,19 @@ def summary_rows(result: dict) -> list[list[str]]:
       return f"{f[key]:+.4f}", f"[{lo:+.4f}, {hi:+.4f}]"
     ss, sci = slope(fs)
     so, _ = slope(fo)
+    ex = fs.get("excess")
+    excess = (f"{ex['per_kstep']:+.4f} [{ex['per_kstep_ci95'][0]:+.4f}, {ex['per_kstep_ci95'][1]:+.4f}] "
+              f"{ex['verdict']}" if ex else "-")
     rows.append([s["family"], s["regime"], s["arm"], s["state_dtype"], str(s["buffer_len"] or "-"),
                  str(s["fold"] or "-"), f"{s['state_err'][-1]:.2e}", f"{max(s['state_err']):.2e}",
                  f"{s['o_err'][-1]:.2e}", ss, sci, fs.get("verdict", "-"),
-                 f"{fs['rise_decades']:+.3f}" if fs else "-", so])
+                 f"{fs['rise_decades']:+.3f}" if fs else "-", so, excess])
   return rows
 
 
 SUMMARY_HEADERS = ["family", "regime", "arm", "state", "L", "fold", "state err (last)", "state err (max)",
                    "out err (last)", "slope state (log10/kflush; conv /kstep)", "95% CI", "verdict",
-                   "fitted rise (decades)", "slope out"]
+                   "fitted rise (decades)", "slope out", "excess over conventional (log10/kstep, 95% CI)"]
 
 
 def render(result: dict, *, markdown=False) -> str:
@@ -821,6 +855,8 @@ def parse_args(argv):
                  help="default bench/results/drift_<date>.json (smoke: no file unless given)")
   p.add_argument("--markdown", action="store_true", help="print the summary table as markdown")
   p.add_argument("--git-commit", default=None)
+  p.add_argument("--summarize", type=pathlib.Path, default=None,
+                 help="print the summary table of an existing result JSON (excess slopes derived) and exit")
   args = p.parse_args(argv)
   fields = dict(SMOKE) if args.smoke else {}
   for f in dataclasses.fields(Options):
@@ -841,6 +877,10 @@ def parse_args(argv):
 def main(argv=None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
   args, opts = parse_args(argv)
+  if args.summarize:
+    result = json.loads(args.summarize.read_text())
+    print(render(result, markdown=args.markdown))
+    return result
   rs.set_checks(False)
   meta = common.run_metadata(argv, "bench.drift", git_commit_override=args.git_commit)
   common.log(f"{meta['device_kind']} ({meta['platform']}), jax {meta['jax_version']}; "
