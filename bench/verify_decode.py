@@ -308,12 +308,19 @@ def _ints(text):
   return [int(x) for x in text.split(",") if x]
 
 
+def _value(text):
+  """'32' → 32, 'true'/'false' → bool, else the string."""
+  if text.isdigit():
+    return int(text)
+  return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def _variants(text):
   """'a=1:b=x,c=2' → [(('a', 1), ('b', 'x')), (('c', 2),)]; an empty item is the default config."""
   out = []
   for item in text.split(","):
     pairs = [kv.split("=", 1) for kv in item.split(":") if kv]
-    out.append(tuple(sorted((k, int(v) if v.isdigit() else v) for k, v in pairs)))
+    out.append(tuple(sorted((k, _value(v)) for k, v in pairs)))
   return out
 
 

@@ -268,10 +268,28 @@ def mamba2_materialize_config(*, device_kind: str, head_dim: int, state_dim: int
 # guesses from the decode calibration until an H200 sweep of bench/verify_decode.py exists.
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+  """GDN verify: the step kernel, grid (V/BV, Hk, B), which reads the checkpoint itself (``split``
+  False) or takes the 2T checkpoint readouts S_c·k_i, S_c·q_i from a separate readout launch, grid
+  (V/BV, Hv, B) (``split`` True); then the replay fold pass over the flushing rows."""
+  step: KernelConfig
+  readout: KernelConfig
+  split: bool
+  fold: KernelConfig
+  fold_rows: int = 1
+
+  def __post_init__(self):
+    if not isinstance(self.split, bool):
+      raise ValueError(f"split={self.split!r}; expected a bool")
+    if not isinstance(self.fold_rows, int) or self.fold_rows < 1:
+      raise ValueError(f"fold_rows={self.fold_rows!r}; expected an int >= 1")
+
+
 def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
                   num_k_heads: int, batch: int, buffer_len: int, ring_size: int,
-                  num_tokens: int) -> ReplayConfig:
-  """Verify step, grid (V/BV, Hk, B), T tokens per row; then the replay fold pass."""
+                  num_tokens: int) -> VerifyConfig:
+  """Verify step (fused or split), then the replay fold pass."""
   base = replay_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                        head_v_dim=head_v_dim, num_k_heads=num_k_heads, batch=batch,
                        buffer_len=buffer_len, ring_size=ring_size)
@@ -286,12 +304,17 @@ def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   else:
     # *untuned*: T = 5..8 doubles the live vectors again: [16, 64] tiles, 4 warps for the 2T reductions.
     step = KernelConfig(block_v=16, num_warps=4, block_k=64).fit(head_v_dim, head_k_dim)
+  # Split: the readout launch is shaped like the conventional decode (one [BV, K] checkpoint tile
+  # per program, reductions only), so it starts from the decode's tile. *unmeasured* as a whole:
+  # fused stays the default until the H200 says otherwise (bench/NOTES.md attempt 13).
+  readout = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
+                          head_v_dim=head_v_dim, batch=batch)
   # A row's window grows by (T + 1) / 2 tokens per step on average (random accepts) and flushes once
   # it exceeds L - 1 - T: about B (T + 1) / (2 (L - T)) flushing rows per step; twice that many row
   # slots keeps one row per fold program, and rows beyond loop, never drop.
   flushing = -(-batch * (num_tokens + 1) // (2 * max(buffer_len - num_tokens, 1)))
   fold_rows = min(batch, _next_pow2(2 * flushing))
-  return ReplayConfig(step=step, route="output_only", fold=base.fold, fold_rows=fold_rows)
+  return VerifyConfig(step=step, readout=readout, split=False, fold=base.fold, fold_rows=fold_rows)
 
 
 def verify_conventional_config(*, device_kind: str, state_dtype, head_k_dim: int,

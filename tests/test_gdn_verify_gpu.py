@@ -6,12 +6,15 @@ several flushes, against the independent float64 oracle: outputs of every real l
 materialized state and the conventional stack state after each commit. A TF32 dot anywhere would
 show errors near 1e-3; f32 stays below 5e-5. Also: a donated verify step copies no state pool.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import replayssm_jax as rs
+from replayssm_jax import config as config_lib
 from tests.helpers import GEOMETRIES, gdn_step_f64, max_err
 from tests.test_gdn_verify import FIELDS, _token, _tokens
 
@@ -79,6 +82,14 @@ def _run(num_tokens, buffer_len, state_dtype, steps, seed=0):
 @pytest.mark.parametrize("num_tokens,buffer_len", [(2, 8), (4, 16), (8, 16)])
 def test_compiled_verify_f32_matches_float64_oracle(num_tokens, buffer_len):
   errs = _run(num_tokens, buffer_len, jnp.float32, steps=3 * buffer_len // num_tokens + 4)
+  assert max(errs.values()) < 5e-5, errs
+
+
+def test_compiled_verify_split_route(monkeypatch):
+  """The split route (readout launch, then the step kernel on the readouts) against float64."""
+  real = config_lib.verify_config
+  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: dataclasses.replace(real(**kw), split=True))
+  errs = _run(4, 16, jnp.float32, steps=16, seed=2)
   assert max(errs.values()) < 5e-5, errs
 
 

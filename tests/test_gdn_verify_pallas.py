@@ -10,6 +10,7 @@ accepted index against float64. Rings start NaN-poisoned, so any read outside a 
 the stack is NaN except each slot's current state, so a wrong read index shows up too.
 GQA (Hk=2, Hv=4), K=16, V=32: the CPU tiles give two V tiles and two K chunks per head.
 """
+import dataclasses
 import warnings
 
 import jax
@@ -19,6 +20,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import replayssm_jax as rs
+from replayssm_jax import config as config_lib
 from replayssm_jax.pallas import common
 from tests.helpers import gdn_step_f64, make_gdn_step, max_err, tolerance
 from tests.test_gdn_verify import FIELDS, _token, _tokens
@@ -142,10 +144,26 @@ def _rows(rng, step):
   return [rows[i] for i in rng.permutation(BATCH)]
 
 
+@pytest.fixture
+def split_route(monkeypatch):
+  """Makes the Pallas verify take the split route (readout launch + step kernel without a state tile)."""
+  real = config_lib.verify_config
+  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: dataclasses.replace(real(**kw), split=True))
+
+
 @pytest.mark.parametrize("num_tokens,buffer_len,steps", [(2, 4, 14), (4, 8, 14), (8, 16, 10)])
 def test_random_accepts_parity(num_tokens, buffer_len, steps):
   """Staggered rows (slots join late, permuted batches), a padding row, short rows (NaN in padded
   lanes), random forced flushes, random accepts; Pallas == XLA == float64 at every step."""
+  _random_accepts(num_tokens, buffer_len, steps)
+
+
+def test_random_accepts_parity_split_route(split_route):
+  """The same checks with the checkpoint readouts computed in their own launch."""
+  _random_accepts(4, 8, 14)
+
+
+def _random_accepts(num_tokens, buffer_len, steps):
   rng = np.random.default_rng(num_tokens)
   h = Lockstep(num_tokens=num_tokens, buffer_len=buffer_len, seed=num_tokens)
   for t in range(steps):
@@ -256,6 +274,16 @@ def test_replay_verify_lowers_for_h200(num_tokens, buffer_len, state_dtype):
                 *_production_tokens(num_tokens))
   assert text.count("__gpu$xla.gpu.triton") == 2          # the verify step and the fold pass
   assert text.count("tf.aliasing_output") == 4             # state and the three rings, in place
+
+
+def test_split_route_lowers_for_h200(split_route):
+  cursor = rs.ReplayCursor.create(P_N, buffer_len=16, max_draft=3)
+  bufs = rs.gdn.ReplayBuffers.create(P_N, cursor, num_k_heads=P_HK, num_v_heads=P_HV, head_k_dim=P_K,
+                                     head_v_dim=P_V, ring_dtype=jnp.bfloat16)
+  text = _lower(lambda b, p, n, *x: rs.gdn.replay_verify(*x, b, p, lengths=n, implementation="pallas_triton"),
+                bufs, cursor.plan(_SLOTS, num_tokens=4), jnp.full((P_B,), 4, i32), *_production_tokens(4))
+  assert text.count("__gpu$xla.gpu.triton") == 3          # readout, verify step, fold pass
+  assert text.count("tf.aliasing_output") == 4
 
 
 @pytest.mark.parametrize("num_tokens,state_dtype", [(2, "bfloat16"), (4, "float32"), (8, "float32")])

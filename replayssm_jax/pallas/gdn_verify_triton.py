@@ -15,6 +15,9 @@ Two ops, each ``kernel → builder → public wrapper`` (the wrappers are what g
       a unit lower-triangular T×T system solved by forward substitution (T ≤ 8: unrolled), and
           o_i = S_i q_i = e^{G_i} (S_h q_i) + Σ_{j≤i} e^{G_i−G_j} (k_j·q_i) u_j.
       Every real token is appended at ``plan.write_index(i)`` as (k_i, u_i, g_i).
+      Split route (``split=True``): a readout launch, grid (V/BV, Hv, B), shaped like the conventional
+      decode, first writes the 2T readouts S_c·k_i, S_c·q_i as float32 [B, Hv, 2T, V]; the step
+      kernel then reads them instead of the checkpoint tile (no state tile live next to the solve).
   (b) the replay fold pass (``gdn_triton.fold_flushing_rows``): flushing rows fold the committed
       window plus token 0 (``plan.fold_length()`` entries, token 0 just appended) — never drafts.
       Why a second launch and not a branch in (a): the pass runs on the flushing rows only (compacted;
@@ -63,10 +66,32 @@ def _scalar(ref, idx, live):
 # Kernels.
 # ----------------------------------------------------------------------------------------------
 
+def _readout_kernel(slots_ref, lengths_ref, q_ref, k_ref, state_ref, readout_ref,
+                    *, scale, group, block_v, num_tokens):
+  """readout[b, h, i] = S_c k_i and readout[b, h, T + i] = S_c q_i for one [BV, K] checkpoint tile:
+  the split route's bytes-bound half (reductions only, shaped like the conventional decode)."""
+  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = slots_ref[b]
+  tile = pl.ds(vt * block_v, block_v)
+
+  @pl.when(s >= 0)  # padding rows: nothing written (the step kernel never reads them)
+  def _():
+    hk, n = h // group, lengths_ref[b]
+    S = state_ref[s, h, tile, :].astype(f32)                       # [BV, K]
+    for i in range(num_tokens):
+      live, at = n > i, jnp.int32(i)
+      k = common.load_entry(k_ref.at[b, at, hk, :], live).astype(f32)
+      q = common.load_entry(q_ref.at[b, at, hk, :], live).astype(f32) * scale
+      readout_ref[b, h, i, tile] = jnp.sum(S * k[None, :], axis=1)
+      readout_ref[b, h, num_tokens + i, tile] = jnp.sum(S * q[None, :], axis=1)
+
+
 def _verify_step_kernel(slots_ref, base_ref, count_ref, lengths_ref, q_ref, k_ref, v_ref, g_ref,
-                        beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
+                        beta_ref, source_ref, ring_k_ref, ring_u_ref, ring_g_ref,
                         o_ref, ring_k_out, ring_u_out, ring_g_out,
-                        *, scale, group, block_v, block_k, ring_size, num_tokens):
+                        *, scale, group, block_v, block_k, ring_size, num_tokens, split):
+  """``source_ref``: the checkpoint [N, Hv, V, K] (fused), or the readouts [B, Hv, 2T, V] of
+  ``_readout_kernel`` (split)."""
   vt, hk, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = slots_ref[b]
   tile = pl.ds(vt * block_v, block_v)
@@ -103,13 +128,17 @@ def _verify_step_kernel(slots_ref, base_ref, count_ref, lengths_ref, q_ref, k_re
       rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
       w, total = window_decays(rg, base, count, ring_size)
       decay = jnp.exp(total)
-      # S_c x for the 2T vectors, one pass over the checkpoint tile.
-      Sck, Scq = [0.0] * num_tokens, [0.0] * num_tokens
-      for ci, c in enumerate(chunks):
-        Sc = state_ref[s, h, tile, c].astype(f32)                  # [BV, block_k]
-        for i in tokens:
-          Sck[i] = Sck[i] + jnp.sum(Sc * ks[i][ci][None, :], axis=1)
-          Scq[i] = Scq[i] + jnp.sum(Sc * qs[i][ci][None, :], axis=1)
+      if split:
+        Sck = [source_ref[b, h, i, tile] for i in tokens]
+        Scq = [source_ref[b, h, num_tokens + i, tile] for i in tokens]
+      else:
+        # S_c x for the 2T vectors, one pass over the checkpoint tile.
+        Sck, Scq = [0.0] * num_tokens, [0.0] * num_tokens
+        for ci, c in enumerate(chunks):
+          Sc = source_ref[s, h, tile, c].astype(f32)               # [BV, block_k]
+          for i in tokens:
+            Sck[i] = Sck[i] + jnp.sum(Sc * ks[i][ci][None, :], axis=1)
+            Scq[i] = Scq[i] + jnp.sum(Sc * qs[i][ci][None, :], axis=1)
       ru = common.load_window(ring_u_ref.at[s, h, :, tile], inside)   # [R, BV]
       Sk = [decay * Sck[i] + jnp.sum((w * rkk[i])[:, None] * ru, axis=0) for i in tokens]
       Sq = [decay * Scq[i] + jnp.sum((w * rkq[i])[:, None] * ru, axis=0) for i in tokens]
@@ -183,11 +212,21 @@ def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpr
   batch, t, hk = q.shape[:3]
   hv, vd = bufs.num_v_heads, bufs.head_v_dim
   step = cfg.step
+  source = bufs.state
+  if cfg.split:
+    rd = cfg.readout
+    readout = functools.partial(_readout_kernel, scale=scale, group=hv // hk, block_v=rd.block_v,
+                                num_tokens=t)
+    (source,) = gdn_triton._pallas(
+        readout, (plan.slots, lengths, q, k, bufs.state), grid=(vd // rd.block_v, hv, batch),
+        out_shape=[jax.ShapeDtypeStruct((batch, hv, 2 * t, vd), jnp.float32)], aliases={}, cfg=rd,
+        name="replayssm_gdn_verify_readout", interpret=interpret)
   kernel = functools.partial(_verify_step_kernel, scale=scale, group=hv // hk, block_v=step.block_v,
-                             block_k=step.block_k, ring_size=bufs.ring_size, num_tokens=t)
+                             block_k=step.block_k, ring_size=bufs.ring_size, num_tokens=t,
+                             split=cfg.split)
   o, ring_k, ring_u, ring_g = gdn_triton._pallas(
       kernel, (plan.slots, plan.base, plan.count, lengths, q, k, v, g, beta,
-               bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
+               source, bufs.ring_k, bufs.ring_u, bufs.ring_g),
       grid=(vd // step.block_v, hk, batch),
       out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
       + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.ring_k, bufs.ring_u, bufs.ring_g)],
@@ -214,11 +253,14 @@ def _verify_conventional(q, k, v, g, beta, stack, slots, read_index, lengths, *,
 # ----------------------------------------------------------------------------------------------
 
 def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, scale,
-                  block_v=None, block_k=None, num_warps=None, num_stages=None, fold_block_v=None,
+                  split=None, block_v=None, block_k=None, num_warps=None, num_stages=None,
+                  readout_block_v=None, readout_num_warps=None, fold_block_v=None,
                   fold_block_k=None, fold_num_warps=None, fold_rows=None):
-  """ReplaySSM GDN verify (T = plan.num_tokens tokens per row): step kernel, then the fold pass.
+  """ReplaySSM GDN verify (T = plan.num_tokens tokens per row): [readout launch,] step kernel, then
+  the fold pass.
 
-  ``lengths`` int32[B] real tokens per row in [1, T]. The keyword knobs override the configs like
+  ``lengths`` int32[B] real tokens per row in [1, T]. ``split`` (None: the config's) computes the
+  checkpoint readouts in their own launch. The keyword knobs override the configs like
   ``gdn_triton.replay_decode``'s. Returns (o [B, T, Hv, V] in v.dtype, bufs).
   """
   op = "gdn.replay_verify[pallas_triton]"
@@ -232,10 +274,12 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
       ring_size=bufs.ring_size, num_tokens=plan.num_tokens)
   step = gdn_triton._knobs(op, cfg.step, vd, kd, block_v=block_v, block_k=block_k,
                            num_warps=num_warps, num_stages=num_stages)
+  readout = gdn_triton._knobs(op, cfg.readout, vd, None, block_v=readout_block_v,
+                              num_warps=readout_num_warps)
   fold = gdn_triton._knobs(op, cfg.fold, vd, kd, block_v=fold_block_v, block_k=fold_block_k,
                            num_warps=fold_num_warps)
-  cfg = config_lib.ReplayConfig(step=step, route=cfg.route, fold=fold,
-                                fold_rows=cfg.fold_rows if fold_rows is None else int(fold_rows))
+  cfg = config_lib.VerifyConfig(step=step, readout=readout, split=cfg.split if split is None else bool(split),
+                                fold=fold, fold_rows=cfg.fold_rows if fold_rows is None else int(fold_rows))
   return _replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=float(scale), cfg=cfg,
                         interpret=common.interpret_mode())
 
