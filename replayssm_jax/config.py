@@ -121,6 +121,31 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
                       fold_rows=fold_rows)
 
 
+def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
+                        ring_size: int) -> KernelConfig:
+  """Fold-and-step kernel of ``plan.flush_all`` steps, grid (V/BV, Hv, B), tile [BV, K]."""
+  cfg = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
+                      head_v_dim=head_v_dim, batch=0)
+  if not _is_cpu(device_kind) and ring_size >= 32:
+    # *unmeasured*: the window sum is an IEEE dot over R entries, which spilled with [32, 64]
+    # tiles in 2 warps at R = 32 in the fold pass (0.184 ms with [16, 64] in 4 warps): 4 warps.
+    cfg = cfg.override(block_v=16, num_warps=4)
+  # Otherwise the conventional decode's tile: with an empty window this kernel moves its bytes.
+  return cfg
+
+
+def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int) -> int:
+  """Below this batch a GDN model flushes every step (``cursor.plan(flush_all=True)``): replay's
+  ring work costs more than the state traffic it saves, so each step is one conventional pass."""
+  del buffer_len
+  if _is_cpu(device_kind):
+    return 0   # CPU: no policy (nothing is bandwidth-bound in interpret mode or XLA on CPU)
+  # H200, Qwen3.5-4B layer, L = 16, bf16 ring, 2026-11-29 (bench/RESULTS.md, run8): replay vs
+  # conventional f32 0.55x at B=1, 0.77x at 8, 1.06x at 32, 1.29x at 128; bf16 state 0.64x at 8,
+  # 0.88x at 32, 1.05x at 128. The flush_all step itself is *unmeasured*.
+  return 32 if _is_f32(state_dtype) else 128
+
+
 def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int,
                        ring_size: int) -> KernelConfig:
   """Materialize runs the fold kernel body on every row (f32 output)."""

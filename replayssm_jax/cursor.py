@@ -54,12 +54,15 @@ class ReplayPlan:
     base: int32[B] ring index of the row's oldest unfolded entry (0 on padding rows).
     count: int32[B] committed entries in the row's window (0 on padding rows).
     flush: bool[B] the row folds ``count + 1`` entries (window and token 0) into its checkpoint.
+    flush_all: static; every live row flushes (``plan(flush_all=True)``, the small-batch policy),
+      so kernels may fold and step each row in one pass, like conventional decode.
   """
   slots: jax.Array
   base: jax.Array
   count: jax.Array
   flush: jax.Array
   num_tokens: int = flax.struct.field(pytree_node=False, default=1)
+  flush_all: bool = flax.struct.field(pytree_node=False, default=False)
   buffer_len: int = flax.struct.field(pytree_node=False, default=16)
   ring_size: int = flax.struct.field(pytree_node=False, default=16)
 
@@ -131,14 +134,23 @@ class ReplayCursor:
                       f"[{c.min()}, {c.max()}]"),
         self.base, self.count)
 
-  def plan(self, slots: jax.Array, num_tokens: int = 1, force_flush: Any = None) -> ReplayPlan:
+  def plan(self, slots: jax.Array, num_tokens: int = 1, force_flush: Any = None,
+           flush_all: bool = False) -> ReplayPlan:
     """Gathers the batch rows' cursors and decides per row whether this step flushes.
 
     Args:
       slots: int32[B] pool slot per row, negative = padding row.
       num_tokens: T tokens per row this step (1 = standard decode; up to ``max_draft + 1``).
       force_flush: optional bool[B]; True forces a flush on that row (ignored on padding rows).
+      flush_all: every live row flushes this step (static). The small-batch policy: below the
+        batch where replay beats conventional decode, windows stay empty and each step costs one
+        conventional pass over the state (``config.replay_min_batch``). T = 1 only.
     """
+    if not isinstance(flush_all, bool):
+      raise ValueError(f"flush_all={flush_all!r}; expected a Python bool (it is static)")
+    if flush_all and num_tokens != 1:
+      raise ValueError(f"flush_all=True with num_tokens={num_tokens}: the flush-every-step policy is "
+                       f"for one-token decode (verify steps keep their drafts in the ring)")
     _checks.expect_slots("slots", slots)
     if (not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool)
         or not 1 <= num_tokens <= self.max_draft + 1):
@@ -156,8 +168,9 @@ class ReplayCursor:
     count = jnp.where(valid, self.count[safe], 0)
     natural = count + num_tokens > self.buffer_len - 1
     forced = jnp.zeros_like(valid) if force_flush is None else force_flush
-    return ReplayPlan(slots=slots, base=base, count=count, flush=valid & (natural | forced),
-                      num_tokens=int(num_tokens), buffer_len=self.buffer_len, ring_size=self.ring_size)
+    return ReplayPlan(slots=slots, base=base, count=count, flush=valid & (natural | forced | flush_all),
+                      num_tokens=int(num_tokens), buffer_len=self.buffer_len, ring_size=self.ring_size,
+                      flush_all=flush_all)
 
   def commit(self, plan: ReplayPlan, num_accepted: jax.Array | None = None) -> "ReplayCursor":
     """Advances the planned rows by their accepted token counts (the whole rollback).

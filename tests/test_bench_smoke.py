@@ -212,3 +212,15 @@ def test_tp_decode_smoke(tmp_path):
   assert [r["mode"] for r in rows] == ["replay", "conventional"] and {r["part"] for r in rows} == {"equality"}
   for r in rows:
     assert r["tokens_identical"] and r["cache_max_abs_diff"] < 1e-4 and r["devices"] == 2, r
+
+
+def test_flush_all_arm_gates_against_its_own_reference(tmp_path):
+  """The small-batch policy's arm (plan(flush_all=True) every step) is gated against XLA under the
+  same plan policy, and its cursor checks expect empty windows."""
+  out = tmp_path / "f.json"
+  gdn_decode.main(["--smoke", "--arms", "conv-pallas,replay-pallas-flushall", "--repeat-arm", "none",
+                   "--out-json", str(out)])
+  rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+  row = rows["replay-pallas-flushall"]
+  assert row["status"] == "ok" and row["gate"]["passed"], row
+  assert row["checks"]["cursor_count_back"] and row["checks"]["cursor_base_advanced"], row["checks"]

@@ -272,6 +272,27 @@ def test_force_flush_ignored_on_padding_rows():
   np.testing.assert_array_equal(plan.valid, [False, True])
 
 
+def test_flush_all_flushes_every_live_row_and_empties_windows():
+  cursor = rs.ReplayCursor.create(4, buffer_len=8, max_draft=3)
+  slots = jnp.array([0, -1, 2, 3], jnp.int32)
+  for _ in range(3):
+    cursor = cursor.commit(cursor.plan(slots))
+  plan = cursor.plan(slots, flush_all=True)
+  assert plan.flush_all and np.asarray(plan.flush).tolist() == [True, False, True, True]
+  assert np.asarray(plan.fold_length()).tolist() == [4, 0, 4, 4]
+  cursor = cursor.commit(plan)
+  assert np.asarray(cursor.count).tolist() == [0, 0, 0, 0]
+  assert not cursor.plan(slots).flush_all
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(flush_all=1), "Python bool"),
+                                          (dict(flush_all=True, num_tokens=2), "one-token decode")])
+def test_bad_flush_all(kwargs, match):
+  cursor = rs.ReplayCursor.create(4, buffer_len=8, max_draft=3)
+  with pytest.raises(ValueError, match=match):
+    cursor.plan(jnp.array([0, 1], jnp.int32), **kwargs)
+
+
 def test_reset_empties_only_the_given_slots():
   cursor = rs.ReplayCursor.create(4, buffer_len=8)
   plan = cursor.plan(jnp.array([0, 1, 2, 3], i32))

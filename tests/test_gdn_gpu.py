@@ -19,7 +19,7 @@ HK, HV, KD, VD = GEOMETRIES["qwen35_4b"]
 SLOTS = np.array([5, -1, 2, 7], np.int32)   # a padding row in the middle
 
 
-def _run(route, state_dtype, buffer_len, steps, seed=0):
+def _run(route, state_dtype, buffer_len, steps, seed=0, flush_all_at=()):
   rng = np.random.default_rng(seed)
   n = 8
   cursor = rs.ReplayCursor.create(n, buffer_len=buffer_len)
@@ -35,7 +35,7 @@ def _run(route, state_dtype, buffer_len, steps, seed=0):
   flushes = 0
   for _ in range(steps):
     step = make_gdn_step(rng, len(SLOTS), HK, HV, KD, VD)
-    plan = cursor.plan(slots)
+    plan = cursor.plan(slots, flush_all=_ in flush_all_at)
     flushes += int(np.sum(np.asarray(plan.flush)))
     o, bufs = rs.gdn.replay_decode(*step.as_jax(), bufs, plan, route=route, implementation="pallas_triton")
     cursor = cursor.commit(plan)
@@ -56,6 +56,12 @@ def test_compiled_replay_f32_matches_float64_oracle(route):
   # f32 throughout; a TF32 dot anywhere would show errors near 1e-3.
   assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
   assert errs["conv"] < 5e-5, errs
+
+
+def test_compiled_flush_all_steps():
+  """The small-batch policy's fold-and-step kernel on windows of 0-6 entries, between ordinary steps."""
+  errs = _run("output_only", jnp.float32, buffer_len=8, steps=14, flush_all_at=(4, 5, 11))
+  assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
 
 
 def test_compiled_replay_bf16_state():

@@ -37,6 +37,8 @@ def _rows(step: GdnStep, mask) -> GdnStep:
 class Harness:
   """ReplaySSM buffers + cursor, a conventional-decode pool and a float64 oracle, stepped together.
 
+  ``flush_all = True`` plans every step with ``flush_all`` (the small-batch policy).
+
   ``errors[key]`` holds one max-abs error per step (live rows only):
     out: replay output vs oracle; state: materialize vs oracle; conv: decode output vs oracle;
     conv_state: decode pool vs oracle; replay_vs_conv: replay output vs decode output.
@@ -61,6 +63,7 @@ class Harness:
     self.forced = 0                           # flushes that only force_flush asked for
     self.wraps = 0                            # live row-steps whose write index crossed the ring end
     self.steps = 0
+    self.flush_all = False
 
   @property
   def tol(self) -> float:
@@ -115,7 +118,8 @@ class Harness:
     slots = jnp.asarray(rows)
     step = self.make_step(len(rows)) if step is None else step
     x = step.as_jax(self.act_dtype)
-    plan = self.cursor.plan(slots, force_flush=None if force is None else jnp.asarray(force, bool))
+    plan = self.cursor.plan(slots, force_flush=None if force is None else jnp.asarray(force, bool),
+                            flush_all=self.flush_all)
     o, self.bufs = rs.gdn.replay_decode(*x, self.bufs, plan, route=self.route, implementation=self.impl)
     self.cursor = self.cursor.commit(plan)
     assert o.shape == (len(rows), self.hv, self.vd) and o.dtype == jnp.dtype(self.act_dtype)
@@ -256,6 +260,22 @@ def test_geometries(implementation, geometry, route):
   h.run(4, [2, -1, 0, -1] if small else [2, -1, 0], joins={0: [0, 2]})
   h.assert_close()
   assert h.flushes[0] == h.flushes[2] == 2
+
+
+def test_flush_all_policy(implementation):
+  """Windows pending, then flush_all steps (the small-batch policy: every row folds its window and
+  steps in one pass, windows stay empty), then ordinary replay again: parity with float64 and with
+  conventional decode throughout, padding rows inert."""
+  h = Harness(implementation, buffer_len=8, seed=21)
+  h.run(3, [2, -1, 0, 4], joins={0: [0, 2, 4]})
+  assert np.all(np.asarray(h.cursor.count)[[0, 2, 4]] == 3)
+  h.flush_all = True
+  h.run(3, [0, 2, -1, 4])
+  assert np.all(np.asarray(h.cursor.count) == 0) and all(h.flushes[s] == 3 for s in (0, 2, 4))
+  h.flush_all = False
+  h.run(3, [4, 0, 2, -1])
+  h.assert_close()
+  assert np.all(np.asarray(h.cursor.count)[[0, 2, 4]] == 3)
 
 
 @pytest.mark.parametrize("route", ROUTES)

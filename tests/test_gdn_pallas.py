@@ -260,7 +260,7 @@ def production_inputs():
 @pytest.mark.parametrize("buffer_len", [8, P_L, 32])
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", ["decode", "replay_output_only", "replay_reconstruct",
-                                    "replay_output_only_k64", "materialize"])
+                                    "replay_output_only_k64", "materialize", "flush_all"])
 def test_lowers_for_h200(kernel, state_dtype, buffer_len, production_inputs):
   if kernel == "decode" and buffer_len != P_L:
     pytest.skip("the conventional kernel has no ring")
@@ -279,6 +279,10 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, production_inputs):
     text = _lower(lambda b, p, *x: gdn_triton.replay_decode(*x, b, p, scale=P_K ** -0.5,
                                                             route="output_only", block_k=64),
                   (0,), bufs, cursor.plan(slots), *step)
+  elif kernel == "flush_all":   # the small-batch policy's one-pass fold-and-step kernel
+    text = _lower(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation="pallas_triton"),
+                  (0,), bufs, cursor.plan(slots, flush_all=True), *step)
+    assert text.count("__gpu$xla.gpu.triton") == 1
   else:
     route = kernel.removeprefix("replay_")
     text = _lower(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, route=route,

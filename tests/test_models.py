@@ -140,6 +140,28 @@ def test_generate_greedy_replay_equals_conventional_and_oracle(model):
     np.testing.assert_array_equal(np.asarray(a[r]), oracle)
 
 
+def test_flush_all_decode_equals_conventional(model):
+  """LM.decode with flush_all (the small-batch policy) between ordinary replay steps: logits equal
+  conventional decode's at every step, windows empty after each flush_all step."""
+  slots = jnp.array([1, -1, 0], jnp.int32)
+  caches = {}
+  for replay in (True, False):
+    cache = model.init_cache(2, buffer_len=4)
+    _, caches[replay] = model.prefill(jnp.asarray(PROMPTS[:, :6]), cache, jnp.array([1, 2, 0], jnp.int32),
+                                      jnp.array([6, 6, 6], jnp.int32))
+  tok = jnp.array([5, 7, 9], jnp.int32)
+  for t in range(7):
+    flush_all = t in (2, 3, 5)
+    a, caches[True] = model.decode(tok, caches[True], slots, flush_all=flush_all)
+    b, caches[False] = model.decode(tok, caches[False], slots, replay=False)
+    live = np.asarray(slots) >= 0
+    np.testing.assert_allclose(np.asarray(a)[live], np.asarray(b)[live], atol=2e-5, rtol=0)
+    if flush_all:
+      assert np.all(np.asarray(caches[True].cursor.count) == 0)
+    tok = jnp.argmax(b, -1).astype(jnp.int32)
+  assert model._small_batch(caches[True], 1) is False   # CPU: the policy never turns itself on
+
+
 def test_generate_sampling_is_reproducible(model):
   kw = dict(max_new_tokens=16, temperature=1.0, buffer_len=4)
   a, _ = generate(model, PROMPTS, LENGTHS, seed=7, **kw)

@@ -27,11 +27,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from replayssm_jax import _checks
+from replayssm_jax import config as config_lib
 from replayssm_jax import gdn
 from replayssm_jax import mamba2
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, GdnLayerCache
 from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config, Mamba2LayerCache
+from replayssm_jax.pallas import common as pallas_common
 
 f32 = jnp.float32
 LAYER_TYPES = ("gdn", "mamba2")          # mixer layer types
@@ -312,7 +314,7 @@ class LM(nnx.Module):
     return logits, LMCache(layers=layers, cursor=cache.cursor.reset(slots))
 
   def decode(self, tokens, cache: LMCache, slots, *, replay=True, implementation=None,
-             force_flush=None):
+             force_flush=None, flush_all=None):
     """One token per row: one shared plan for all layers, one commit (replay mode only).
 
     Args:
@@ -324,13 +326,18 @@ class LM(nnx.Module):
       force_flush: optional bool[B]: these rows fold their window into the checkpoint this step
         (e.g. at a prefix-cache block boundary), leaving an empty window. Replay mode only
         matters; conventional mode always writes the state.
+      flush_all: every row flushes this step (static bool), one conventional-like pass per layer:
+        the small-batch policy. None: on when every mixer is GatedDeltaNet and the batch is below
+        ``config.replay_min_batch`` for this device and state dtype (never on CPU).
 
     Returns:
       (logits [B, vocab] float32, cache).
     """
     self._check_tokens("tokens", tokens, 1, "(int32[B])")
     self._check_cache(cache)
-    plan = cache.cursor.plan(slots, force_flush=force_flush)
+    if flush_all is None:
+      flush_all = replay and self._small_batch(cache, tokens.shape[0])
+    plan = cache.cursor.plan(slots, force_flush=force_flush, flush_all=bool(flush_all))
 
     def mixer_fn(block, x, lc):
       return block.mixer.decode(x, lc, plan, replay=replay, implementation=implementation)
@@ -340,6 +347,17 @@ class LM(nnx.Module):
     # Conventional mode never appends to the ring, so the windows stay empty and are not advanced.
     cursor = cache.cursor.commit(plan) if replay else cache.cursor
     return logits, LMCache(layers=layers, cursor=cursor)
+
+  @staticmethod
+  def _small_batch(cache: LMCache, batch: int) -> bool:
+    """The flush-every-step policy: measured for GatedDeltaNet only (Mamba2 has no one-pass
+    fold-and-step kernel yet, so it gains nothing)."""
+    if not cache.layers or not all(isinstance(lc, GdnLayerCache) for lc in cache.layers):
+      return False
+    threshold = config_lib.replay_min_batch(device_kind=pallas_common.device_kind(),
+                                            state_dtype=cache.layers[0].bufs.state.dtype,
+                                            buffer_len=cache.cursor.buffer_len)
+    return batch < threshold
 
   def verify(self, tokens, cache: LMCache, slots, *, lengths=None, implementation=None,
              force_flush=None):

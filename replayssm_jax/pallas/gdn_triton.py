@@ -12,6 +12,8 @@ Three kernels, each ``kernel → builder → public wrapper`` (the wrappers are 
   (b) the fold kernel: grid (B, Hv, V/BV); rows with ``plan.fold_length() > 0`` (flushing rows:
       window plus the token (a) just appended) rebuild ``S = e^G S_c + Σ_j w_j u_j k_jᵀ`` with f32
       rank-one FMAs and write it to the checkpoint; every other program exits at once.
+  With ``plan.flush_all`` (every live row flushes: the small-batch policy) one fold-and-step
+  kernel, grid (V/BV, Hv, B), replaces both passes: the conventional decode plus the window fold.
 * ``materialize``: the fold kernel body again, writing every row's state to a fresh f32 output.
 
 Everything is float32 inside and matrix-vector products are multiply-and-reduce, never ``dot``
@@ -66,6 +68,51 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref,
     S = alpha * S + u[:, None] * k[None, :]
     o_ref[b, h, tile] = jnp.sum(S * q[None, :], axis=1).astype(o_ref.dtype)
     pool_out_ref[s, h, tile, :] = S.astype(pool_out_ref.dtype)
+
+
+def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                         state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
+                         o_ref, state_out, ring_k_out, ring_u_out, ring_g_out,
+                         *, scale, group, block_v, ring_size):
+  """Every live row flushes (``plan.flush_all``): fold the window into the [BV, K] checkpoint tile,
+  step it with token 0 and write it back — one pass, the conventional decode's bytes when the
+  window is empty (the masked ring loads then read nothing). Token 0 is also appended at
+  ``base + count`` (outside the window the commit leaves), as the two-pass route does."""
+  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = slots_ref[b]
+  tile = pl.ds(vt * block_v, block_v)
+
+  @pl.when(s < 0)
+  def _():
+    o_ref[b, h, tile] = jnp.zeros((block_v,), o_ref.dtype)
+
+  @pl.when(s >= 0)
+  def _():
+    hk, base, count = h // group, base_ref[b], count_ref[b]
+    put = (base + count) % ring_size
+    _, inside = window_offsets((ring_size,), base, count, ring_size)
+    rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
+    w, total = window_decays(rg, base, count, ring_size)
+    S = _accumulate_window(jnp.exp(total) * state_ref[s, h, tile, :].astype(f32), w, inside,
+                           lambda rows: ring_k_ref.at[s, hk, rows, :],
+                           lambda rows: ring_u_ref.at[s, h, rows, tile], ring_size)   # [BV, K]
+    k = k_ref[b, hk, :].astype(f32)
+    q = q_ref[b, hk, :].astype(f32) * scale
+    g = g_ref[b, h].astype(f32)
+    alpha = jnp.exp(g)
+    u = beta_ref[b, h].astype(f32) * (v_ref[b, h, tile].astype(f32) - alpha * jnp.sum(S * k[None, :], axis=1))
+    S = alpha * S + u[:, None] * k[None, :]
+    o_ref[b, h, tile] = jnp.sum(S * q[None, :], axis=1).astype(o_ref.dtype)
+    state_out[s, h, tile, :] = S.astype(state_out.dtype)
+    ring_u_out[s, h, put, tile] = u.astype(ring_u_out.dtype)
+
+    @pl.when(vt == 0)  # per head, not per V tile: one program writes g, the key head's first k
+    def _():
+      ring_g_out[s, h, put] = g
+
+      @pl.when(h % group == 0)
+      def _():
+        ring_k_out[s, hk, put, :] = k.astype(ring_k_out.dtype)
 
 
 def _accumulate_window(S, weights, inside, k_at, u_at, ring_size):
@@ -275,6 +322,22 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, route, cfg, interpret
   return o, fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
+def _flush_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
+  batch, hk = q.shape[:2]
+  hv, vd = bufs.num_v_heads, bufs.head_v_dim
+  kernel = functools.partial(_flush_decode_kernel, scale=scale, group=hv // hk, block_v=cfg.block_v,
+                             ring_size=bufs.ring_size)
+  o, state, ring_k, ring_u, ring_g = _pallas(
+      kernel, (plan.slots, plan.base, plan.count, q, k, v, g, beta,
+               bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
+      grid=(vd // cfg.block_v, hv, batch),
+      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
+      + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)],
+      aliases={8: 1, 9: 2, 10: 3, 11: 4}, cfg=cfg, name="replayssm_gdn_flush_decode", interpret=interpret)
+  return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+
+
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
   """The flush pass after a step kernel appended token 0: flushing rows fold
   ``plan.fold_length()`` entries (window + token 0) into their checkpoint; returns the buffers."""
@@ -351,6 +414,16 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
                               f"supported by this kernel")
   if route not in ROUTES:
     raise ValueError(f"route={route!r}; expected one of {ROUTES}")
+  if plan.flush_all:
+    # Every row flushes: one fold-and-step pass (the routes differ only in how they read S).
+    common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
+    cfg = config_lib.flush_decode_config(device_kind=common.device_kind(), state_dtype=bufs.state.dtype,
+                                         head_k_dim=bufs.head_k_dim, head_v_dim=bufs.head_v_dim,
+                                         ring_size=bufs.ring_size)
+    cfg = _knobs(op, cfg, bufs.head_v_dim, None, block_v=block_v, num_warps=num_warps,
+                 num_stages=num_stages)
+    return _flush_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,
+                         interpret=common.interpret_mode())
   cfg = _replay_cfg(op, bufs, q.shape[0], plan.buffer_len, block_v=block_v, block_k=block_k,
                     num_warps=num_warps,
                     num_stages=num_stages, fold_block_v=fold_block_v, fold_block_k=fold_block_k,
