@@ -12,6 +12,8 @@ D, z gating, dt_bias and softplus are on, as in the model.
 Arms (``--arms``): ``conv-pallas`` (rs.mamba2.decode, pallas_triton), ``replay-pallas-oo`` /
 ``replay-pallas-rc`` (rs.mamba2.replay_decode, pallas_triton, route output_only / reconstruct),
 ``conv-xla``, ``replay-xla`` (route output_only). XLA arms run only at ``--xla-batches``.
+``replay-pallas-flushall`` (not in the default set): every step ``cursor.plan(flush_all=True)``,
+the small-batch policy's plan, through the same replay kernel (every row takes its flush path).
 ``--configs`` adds one row per Pallas launch config: tokens ``bv`` (block_p, P rows per program),
 ``bk`` (block_n, N chunk of the rebuild), ``w`` (warps), ``s`` (stages); ``--heads`` sets the
 replay step's heads per program. ``default`` = the config module's choice through the public op.
@@ -65,7 +67,8 @@ class Geometry:
 
 NEMOTRON_SUPER = Geometry(h=128, g=8, p=64, n=128)
 SMOKE = Geometry(h=4, g=2, p=8, n=16)
-ARMS = harness.STANDARD_ARMS
+ARMS = harness.STANDARD_ARMS + ("replay-pallas-flushall",)
+DEFAULT_ARMS = harness.STANDARD_ARMS
 _KNOBS = {"block_v": "block_p", "block_k": "block_n", "num_warps": "num_warps",
           "num_stages": "num_stages"}
 
@@ -190,7 +193,7 @@ def _summary(meta: dict, ceil: str) -> str:
 
 BENCH = harness.LayerBench(
     name="mamba2_decode", title="Mamba2 decode", description=__doc__.split("\n\n")[0],
-    geometry=NEMOTRON_SUPER, smoke_geometry=SMOKE, arms=ARMS, default_arms=ARMS,
+    geometry=NEMOTRON_SUPER, smoke_geometry=SMOKE, arms=ARMS, default_arms=DEFAULT_ARMS,
     default_buffer_lens=(4, 8, 16), plot_L=8,
     smoke_help="tiny CPU-sized run (H=4, G=2, P=8, N=16, B=2, L=4, float32 state)",
     configs_help="Pallas launch configs: bv (block_p) bk (block_n) w s tokens, e.g. default,bv16w2",
