@@ -137,13 +137,16 @@ def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_
 def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int) -> int:
   """Below this batch a GDN model flushes every step (``cursor.plan(flush_all=True)``): replay's
   ring work costs more than the state traffic it saves, so each step is one conventional pass."""
-  del buffer_len
+  del buffer_len, state_dtype
   if _is_cpu(device_kind):
     return 0   # CPU: no policy (nothing is bandwidth-bound in interpret mode or XLA on CPU)
-  # H200, Qwen3.5-4B layer, L = 16, bf16 ring, 2026-11-29 (bench/RESULTS.md, run8): replay vs
-  # conventional f32 0.55x at B=1, 0.77x at 8, 1.06x at 32, 1.29x at 128; bf16 state 0.64x at 8,
-  # 0.88x at 32, 1.05x at 128. The flush_all step itself is *unmeasured*.
-  return 32 if _is_f32(state_dtype) else 128
+  # Off until the fold-and-step kernel has been compiled and timed on the GPU (bench arm
+  # replay-pallas-flushall; bench/NOTES.md item 15): a default path must have run where it is the
+  # default. The crossover it will be set from (H200, Qwen3.5-4B layer, L = 16, bf16 ring, run8):
+  # replay vs conventional f32 0.55x at B=1, 0.77x at 8, 1.06x at 32, 1.29x at 128; bf16 state
+  # 0.64x at 8, 0.88x at 32, 1.05x at 128 — i.e. 32 (f32) and 128 (bf16) if the kernel matches
+  # conventional decode there. ``LM.decode(flush_all=True)`` opts in now.
+  return 0
 
 
 def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int,
