@@ -59,15 +59,20 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref,
   def _():
     hk = h // group
     S = pool_ref[s, h, tile, :].astype(f32)                       # [BV, K]
-    k = k_ref[b, hk, :].astype(f32)
-    q = q_ref[b, hk, :].astype(f32) * scale
-    v = v_ref[b, h, tile].astype(f32)
-    alpha = jnp.exp(g_ref[b, h].astype(f32))
-    beta = beta_ref[b, h].astype(f32)
-    u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
-    S = alpha * S + u[:, None] * k[None, :]
-    o_ref[b, h, tile] = jnp.sum(S * q[None, :], axis=1).astype(o_ref.dtype)
+    S, o, _ = _delta_rule_step(S, k_ref[b, hk, :], q_ref[b, hk, :], v_ref[b, h, tile],
+                               g_ref[b, h], beta_ref[b, h], scale)
+    o_ref[b, h, tile] = o.astype(o_ref.dtype)
     pool_out_ref[s, h, tile, :] = S.astype(pool_out_ref.dtype)
+
+
+def _delta_rule_step(S, k, q, v, g, beta, scale):
+  """One gated delta-rule step of a [BV, K] state tile in f32: u = β (v − α S k),
+  S' = α S + u kᵀ, o = S' (scale·q). Returns (S', o, u)."""
+  k = k.astype(f32)
+  alpha = jnp.exp(g.astype(f32))
+  u = beta.astype(f32) * (v.astype(f32) - alpha * jnp.sum(S * k[None, :], axis=1))
+  S = alpha * S + u[:, None] * k[None, :]
+  return S, jnp.sum(S * (q.astype(f32) * scale)[None, :], axis=1), u
 
 
 def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
@@ -96,13 +101,10 @@ def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_
     S = _accumulate_window(jnp.exp(total) * state_ref[s, h, tile, :].astype(f32), w, inside,
                            lambda rows: ring_k_ref.at[s, hk, rows, :],
                            lambda rows: ring_u_ref.at[s, h, rows, tile], ring_size)   # [BV, K]
-    k = k_ref[b, hk, :].astype(f32)
-    q = q_ref[b, hk, :].astype(f32) * scale
     g = g_ref[b, h].astype(f32)
-    alpha = jnp.exp(g)
-    u = beta_ref[b, h].astype(f32) * (v_ref[b, h, tile].astype(f32) - alpha * jnp.sum(S * k[None, :], axis=1))
-    S = alpha * S + u[:, None] * k[None, :]
-    o_ref[b, h, tile] = jnp.sum(S * q[None, :], axis=1).astype(o_ref.dtype)
+    S, o, u = _delta_rule_step(S, k_ref[b, hk, :], q_ref[b, hk, :], v_ref[b, h, tile], g,
+                               beta_ref[b, h], scale)
+    o_ref[b, h, tile] = o.astype(o_ref.dtype)
     state_out[s, h, tile, :] = S.astype(state_out.dtype)
     ring_u_out[s, h, put, tile] = u.astype(ring_u_out.dtype)
 
@@ -112,7 +114,7 @@ def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_
 
       @pl.when(h % group == 0)
       def _():
-        ring_k_out[s, hk, put, :] = k.astype(ring_k_out.dtype)
+        ring_k_out[s, hk, put, :] = k_ref[b, hk, :].astype(ring_k_out.dtype)
 
 
 def _accumulate_window(S, weights, inside, k_at, u_at, ring_size):
