@@ -94,3 +94,18 @@ def round_to_tf32(x) -> np.ndarray:
   lsb = (bits >> np.uint32(13)) & np.uint32(1)
   bits = (bits + np.uint32(0xFFF) + lsb) & np.uint32(0xFFFFE000)
   return bits.view(np.float32).astype(np.float64)
+
+
+def lower_for_h200(fn, donate, *args) -> str:
+  """StableHLO text of ``jax.jit(fn, donate_argnums=donate)`` lowered for an abstract H200 with
+  the Pallas kernels built for real (not interpreted): notes/pallas-gpu.md §4. Shows what
+  interpret mode hides: Triton power-of-two sizes, unsupported primitives, in-place aliasing."""
+  import jax
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+  from replayssm_jax.pallas import common
+  device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+  with common.force_lowering(), use_abstract_mesh(mesh):
+    lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("cuda",))
+  return lowered.as_text()

@@ -14,8 +14,8 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax.pallas import common, gdn_mosaic
-from tests.helpers import gdn_step_f64, make_gdn_step, max_err, tolerance
-from tests.test_gdn_pallas import _assert_close, _lower, _np, _take_rows
+from tests.helpers import gdn_step_f64, lower_for_h200, make_gdn_step, max_err, tolerance
+from tests.test_gdn_pallas import _assert_close, _np, _take_rows
 
 IMPL = "pallas_mosaic"
 HK, HV, K, V = 1, 2, 16, 32
@@ -168,13 +168,13 @@ def test_lowers_for_h200(kernel, state_dtype):
                                      head_k_dim=P_K, head_v_dim=P_V, state_dtype=state_dtype,
                                      ring_dtype=bf16)
   if kernel == "decode":
-    text = _lower(lambda pool, s, *x: rs.gdn.decode(*x, pool, s, implementation=IMPL),
+    text = lower_for_h200(lambda pool, s, *x: rs.gdn.decode(*x, pool, s, implementation=IMPL),
                   (0,), bufs.state, slots, *step)
   elif kernel == "materialize":
-    text = _lower(lambda b, c, s: rs.gdn.materialize(b, c, s, implementation=IMPL),
+    text = lower_for_h200(lambda b, c, s: rs.gdn.materialize(b, c, s, implementation=IMPL),
                   (), bufs, cursor, slots)
   else:
-    text = _lower(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation=IMPL),
+    text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation=IMPL),
                   (0,), bufs, cursor.plan(slots), *step)
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
   # Written Refs alias their donated buffers: pool (decode); state and three rings (replay).

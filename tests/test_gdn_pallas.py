@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import replayssm_jax as rs
-from replayssm_jax.pallas import common, gdn_triton
-from tests.helpers import gdn_step_f64, make_gdn_step, max_err, tolerance
+from replayssm_jax.pallas import gdn_triton
+from tests.helpers import gdn_step_f64, lower_for_h200, make_gdn_step, max_err, tolerance
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -238,14 +237,6 @@ def test_non_power_of_two_raises():
 P_HK, P_HV, P_K, P_V, P_B, P_N, P_L = 16, 32, 128, 128, 8, 16, 16
 
 
-def _lower(fn, donate, *args):
-  device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-  with common.force_lowering(), use_abstract_mesh(mesh):
-    lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("cuda",))
-  return lowered.as_text()
-
-
 @pytest.fixture(scope="module")
 def production_inputs():
   slots = jnp.asarray(np.r_[np.arange(P_B - 1), -1], jnp.int32)
@@ -270,22 +261,22 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, production_inputs):
                                      head_k_dim=P_K, head_v_dim=P_V, state_dtype=state_dtype,
                                      ring_dtype=jnp.bfloat16)
   if kernel == "decode":
-    text = _lower(lambda pool, s, *x: rs.gdn.decode(*x, pool, s, implementation="pallas_triton"),
+    text = lower_for_h200(lambda pool, s, *x: rs.gdn.decode(*x, pool, s, implementation="pallas_triton"),
                   (0,), bufs.state, slots, *step)
   elif kernel == "materialize":
-    text = _lower(lambda b, c, s: rs.gdn.materialize(b, c, s, implementation="pallas_triton"),
+    text = lower_for_h200(lambda b, c, s: rs.gdn.materialize(b, c, s, implementation="pallas_triton"),
                   (), bufs, cursor, slots)
   elif kernel == "replay_output_only_k64":   # K in two chunks (a benchmark knob)
-    text = _lower(lambda b, p, *x: gdn_triton.replay_decode(*x, b, p, scale=P_K ** -0.5,
+    text = lower_for_h200(lambda b, p, *x: gdn_triton.replay_decode(*x, b, p, scale=P_K ** -0.5,
                                                             route="output_only", block_k=64),
                   (0,), bufs, cursor.plan(slots), *step)
   elif kernel == "flush_all":   # the small-batch policy's one-pass fold-and-step kernel
-    text = _lower(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation="pallas_triton"),
+    text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation="pallas_triton"),
                   (0,), bufs, cursor.plan(slots, flush_all=True), *step)
     assert text.count("__gpu$xla.gpu.triton") == 1
   else:
     route = kernel.removeprefix("replay_")
-    text = _lower(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, route=route,
+    text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, route=route,
                                                         implementation="pallas_triton"),
                   (0,), bufs, cursor.plan(slots), *step)
   assert "__gpu$xla.gpu.triton" in text

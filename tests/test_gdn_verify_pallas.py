@@ -17,12 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import replayssm_jax as rs
 from replayssm_jax import config as config_lib
-from replayssm_jax.pallas import common
-from tests.helpers import gdn_step_f64, make_gdn_step, max_err, tolerance
+from tests.helpers import gdn_step_f64, lower_for_h200, make_gdn_step, max_err, tolerance
 from tests.test_gdn_verify import FIELDS, _token, _tokens
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -245,11 +243,7 @@ P_HK, P_HV, P_K, P_V, P_B, P_N = 16, 32, 128, 128, 8, 16
 
 
 def _lower(fn, *args):
-  device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-  with common.force_lowering(), use_abstract_mesh(mesh):
-    lowered = jax.jit(fn, donate_argnums=(0,)).trace(*args).lower(lowering_platforms=("cuda",))
-  return lowered.as_text()
+  return lower_for_h200(fn, (0,), *args)      # the buffers / stack (argument 0) are donated
 
 
 def _production_tokens(t):

@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import replayssm_jax as rs
-from replayssm_jax.pallas import common, mamba2_triton
-from tests.helpers import max_err, tolerance
+from replayssm_jax.pallas import mamba2_triton
+from tests.helpers import lower_for_h200, max_err, tolerance
 from tests.test_mamba2_ops import make_params, make_step, mamba2_step_f64
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -257,14 +256,6 @@ SUPER, NANO = (128, 8, 64, 128), (96, 8, 80, 128)
 P_B, P_SLOTS = 8, 16
 
 
-def _lower(fn, donate, *args):
-  device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-  with common.force_lowering(), use_abstract_mesh(mesh):
-    lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("cuda",))
-  return lowered.as_text()
-
-
 def _production(geometry, buffer_len, state_dtype):
   h, g, p, n = geometry
   bf16 = jnp.bfloat16
@@ -289,15 +280,15 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   slots, cursor, bufs, step, extra = _production(SUPER if geometry == "super" else NANO, buffer_len,
                                                  state_dtype)
   if kernel == "decode":
-    text = _lower(lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
+    text = lower_for_h200(lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
         x, dt, A, B, C, pool, s, z=x, implementation="pallas_triton", **extra),
         (0,), bufs.state, slots, *step)
   elif kernel == "materialize":
-    text = _lower(lambda b, c, s: rs.mamba2.materialize(b, c, s, implementation="pallas_triton"),
+    text = lower_for_h200(lambda b, c, s: rs.mamba2.materialize(b, c, s, implementation="pallas_triton"),
                   (), bufs, cursor, slots)
   else:
     route = kernel.removeprefix("replay_")
-    text = _lower(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
+    text = lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
         x, dt, A, B, C, b, p, z=x, route=route, implementation="pallas_triton", **extra),
         (0,), bufs, cursor.plan(slots), *step)
   assert "__gpu$xla.gpu.triton" in text

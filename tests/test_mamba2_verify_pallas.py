@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import replayssm_jax as rs
-from tests.helpers import max_err, tolerance
+from tests.helpers import lower_for_h200, max_err, tolerance
 from tests.test_mamba2_ops import make_params, mamba2_step_f64
-from tests.test_mamba2_pallas import SUPER, _lower
+from tests.test_mamba2_pallas import SUPER
 from tests.test_mamba2_verify import _staggered_rows, _token, _tokens
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -252,13 +252,13 @@ def test_lowers_for_h200(kernel, num_tokens, buffer_len, state_dtype):
     bufs = rs.mamba2.ReplayBuffers.create(num_slots, cursor, num_heads=h, head_dim=p,
                                           num_groups=g, state_dim=n, state_dtype=state_dtype,
                                           ring_dtype=jnp.bfloat16)
-    text = _lower(lambda b, pl_, x, dt, A, B, C, n_: rs.mamba2.replay_verify(
+    text = lower_for_h200(lambda b, pl_, x, dt, A, B, C, n_: rs.mamba2.replay_verify(
         x, dt, A, B, C, b, pl_, z=x, lengths=n_, **extra),
         (0,), bufs, cursor.plan(slots, num_tokens=num_tokens), *step, lengths)
     aliased = 4    # checkpoint and the three rings, in place
   else:
     stack = jnp.zeros((num_slots, num_tokens, h, p, n), state_dtype)
-    text = _lower(lambda st, s, r, x, dt, A, B, C, n_: rs.mamba2.verify_conventional(
+    text = lower_for_h200(lambda st, s, r, x, dt, A, B, C, n_: rs.mamba2.verify_conventional(
         x, dt, A, B, C, st, s, r, z=x, lengths=n_, **extra),
         (0,), stack, slots, jnp.zeros((batch,), jnp.int32), *step, lengths)
     aliased = 1    # the state stack, in place
