@@ -300,9 +300,20 @@ def make_runner(bench: LayerBench, case: Case):
   return run
 
 
+def _live_ring_entries(bufs, cursor, slots):
+  """Every ``ring_*`` buffer at the batch's slots, with the entries outside each row's committed
+  window zeroed: those are dead (never read again), so implementations may leave them stale."""
+  ring_size = cursor.ring_size
+  offset = (jnp.arange(ring_size)[None, :] - cursor.base[slots][:, None]) % ring_size
+  live = offset < cursor.count[slots][:, None]                                 # [B, R]
+  rings = [getattr(bufs, f.name) for f in dataclasses.fields(bufs) if f.name.startswith("ring_")]
+  return tuple(jnp.where(live.reshape(live.shape[:1] + (1,) + live.shape[1:] + (1,) * (r.ndim - 3)),
+                         r[slots], 0) for r in rings if r is not None)
+
+
 def make_gate(bench: LayerBench, case: Case):
   """``gate(carry, consts) -> (o, rows)``: layer 0's first step (input set 0), not donated; rows =
-  the written buffers at the batch's slots (state; + every ring for replay)."""
+  the written buffers at the batch's slots (state; + the live entries of every ring for replay)."""
   op = bench.layer(case)
 
   def gate(carry, consts):
@@ -312,8 +323,9 @@ def make_gate(bench: LayerBench, case: Case):
       o, pool = op(inp, params, carry[0], slots)
       return o, (pool[slots],)
     bufs, cursor = carry[0], carry[1]
-    o, bufs = op(inp, params, bufs, cursor.plan(slots, flush_all=case.arm.flush_all))
-    return o, tuple(x[slots] for x in jax.tree.leaves(bufs))
+    plan = cursor.plan(slots, flush_all=case.arm.flush_all)
+    o, bufs = op(inp, params, bufs, plan)
+    return o, (bufs.state[slots],) + _live_ring_entries(bufs, cursor.commit(plan), slots)
   return gate
 
 

@@ -76,45 +76,40 @@ def _delta_rule_step(S, k, q, v, g, beta, scale):
 
 
 def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                         state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
-                         o_ref, state_out, ring_k_out, ring_u_out, ring_g_out,
+                         state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref, state_out,
                          *, scale, group, block_v, ring_size):
   """Every live row flushes (``plan.flush_all``): fold the window into the [BV, K] checkpoint tile,
-  step it with token 0 and write it back — one pass, the conventional decode's bytes when the
-  window is empty (the masked ring loads then read nothing). Token 0 is also appended at
-  ``base + count`` (outside the window the commit leaves), as the two-pass route does."""
+  step it with token 0 and write it back. After one such step every window is empty (the commit
+  moves base past token 0, which is therefore never appended to the ring), so the steady state is
+  the conventional decode's pass; only a row that arrives with a window runs the fold branch."""
   vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = slots_ref[b]
   tile = pl.ds(vt * block_v, block_v)
+  hk, base, count = h // group, base_ref[b], count_ref[b]
+
+  def step_and_write(S):
+    S, o, _ = _delta_rule_step(S, k_ref[b, hk, :], q_ref[b, hk, :], v_ref[b, h, tile],
+                               g_ref[b, h], beta_ref[b, h], scale)
+    o_ref[b, h, tile] = o.astype(o_ref.dtype)
+    state_out[s, h, tile, :] = S.astype(state_out.dtype)
 
   @pl.when(s < 0)
   def _():
     o_ref[b, h, tile] = jnp.zeros((block_v,), o_ref.dtype)
 
-  @pl.when(s >= 0)
+  @pl.when((s >= 0) & (count == 0))
   def _():
-    hk, base, count = h // group, base_ref[b], count_ref[b]
-    put = (base + count) % ring_size
+    step_and_write(state_ref[s, h, tile, :].astype(f32))
+
+  @pl.when((s >= 0) & (count > 0))
+  def _():
     _, inside = window_offsets((ring_size,), base, count, ring_size)
     rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
     w, total = window_decays(rg, base, count, ring_size)
-    S = _accumulate_window(jnp.exp(total) * state_ref[s, h, tile, :].astype(f32), w, inside,
-                           lambda rows: ring_k_ref.at[s, hk, rows, :],
-                           lambda rows: ring_u_ref.at[s, h, rows, tile], ring_size)   # [BV, K]
-    g = g_ref[b, h].astype(f32)
-    S, o, u = _delta_rule_step(S, k_ref[b, hk, :], q_ref[b, hk, :], v_ref[b, h, tile], g,
-                               beta_ref[b, h], scale)
-    o_ref[b, h, tile] = o.astype(o_ref.dtype)
-    state_out[s, h, tile, :] = S.astype(state_out.dtype)
-    ring_u_out[s, h, put, tile] = u.astype(ring_u_out.dtype)
-
-    @pl.when(vt == 0)  # per head, not per V tile: one program writes g, the key head's first k
-    def _():
-      ring_g_out[s, h, put] = g
-
-      @pl.when(h % group == 0)
-      def _():
-        ring_k_out[s, hk, put, :] = k_ref[b, hk, :].astype(ring_k_out.dtype)
+    step_and_write(_accumulate_window(
+        jnp.exp(total) * state_ref[s, h, tile, :].astype(f32), w, inside,
+        lambda rows: ring_k_ref.at[s, hk, rows, :], lambda rows: ring_u_ref.at[s, h, rows, tile],
+        ring_size))
 
 
 def _accumulate_window(S, weights, inside, k_at, u_at, ring_size):
@@ -330,14 +325,14 @@ def _flush_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
   hv, vd = bufs.num_v_heads, bufs.head_v_dim
   kernel = functools.partial(_flush_decode_kernel, scale=scale, group=hv // hk, block_v=cfg.block_v,
                              ring_size=bufs.ring_size)
-  o, state, ring_k, ring_u, ring_g = _pallas(
+  o, state = _pallas(
       kernel, (plan.slots, plan.base, plan.count, q, k, v, g, beta,
                bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
       grid=(vd // cfg.block_v, hv, batch),
-      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
-      + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)],
-      aliases={8: 1, 9: 2, 10: 3, 11: 4}, cfg=cfg, name="replayssm_gdn_flush_decode", interpret=interpret)
-  return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 jax.ShapeDtypeStruct(bufs.state.shape, bufs.state.dtype)],
+      aliases={8: 1}, cfg=cfg, name="replayssm_gdn_flush_decode", interpret=interpret)
+  return o, bufs.replace(state=state)
 
 
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
