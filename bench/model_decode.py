@@ -29,14 +29,15 @@ SMOKE = dict(vocab_size=256, hidden_size=64, num_layers=2, num_k_heads=2, num_v_
              head_v_dim=16, intermediate_size=128, max_prompt_len=16)
 
 
-def _loop(graphdef, *, replay, buffer_len, implementation):
+def _loop(graphdef, *, replay, buffer_len, implementation, flush_all):
   def run(params, carry, n):
     model = nnx.merge(graphdef, params)
     slots = jnp.arange(carry[0].shape[0], dtype=jnp.int32)
 
     def step(_, c):
       tok, cache = c
-      logits, cache = model.decode(tok, cache, slots, replay=replay, implementation=implementation)
+      logits, cache = model.decode(tok, cache, slots, replay=replay, implementation=implementation,
+                                   flush_all=flush_all)
       return jnp.argmax(logits, -1).astype(jnp.int32), cache
     return jax.lax.fori_loop(0, n * buffer_len, step, carry)
   return jax.jit(run, donate_argnums=(1,))   # n traced: one compilation for every n
@@ -49,22 +50,29 @@ def staggered_cache(model, batch, *, replay, buffer_len):
   return cache.replace(cursor=cache.cursor.replace(count=count))
 
 
-def step_row(timing, *, batch, replay, buffer_len) -> dict:
+def step_row(timing, *, batch, mode, buffer_len) -> dict:
   """A result row from ``common.time_loop``'s timing of L-step cycles."""
   per_step_ms = [1e3 * t / buffer_len for t in timing.per_cycle()]
   med, p20, p80 = common.quantiles(per_step_ms)
-  return {"mode": "replay" if replay else "conventional", "batch": batch, "buffer_len": buffer_len,
+  return {"mode": mode, "batch": batch, "buffer_len": buffer_len,
           "ms_per_step": per_step_ms, "median_ms": med, "p20_ms": p20, "p80_ms": p80,
           "tokens_per_s": batch / (med / 1e3), "n_cycles": timing.n_cycles}
 
 
-def measure(model, batch, *, replay, buffer_len, reps, rep_seconds, implementation):
+# mode -> (replay, flush_all): "replay" follows the library's small-batch policy (flush_all=None:
+# every step flushes below config.replay_min_batch); "replay-no-policy" always replays.
+MODES = {"conventional": (False, None), "replay": (True, None), "replay-no-policy": (True, False)}
+
+
+def measure(model, batch, *, mode, buffer_len, reps, rep_seconds, implementation):
+  replay, flush_all = MODES[mode]
   graphdef, params = nnx.split(model)
   cache = staggered_cache(model, batch, replay=replay, buffer_len=buffer_len)
-  fn = _loop(graphdef, replay=replay, buffer_len=buffer_len, implementation=implementation)
+  fn = _loop(graphdef, replay=replay, buffer_len=buffer_len, implementation=implementation,
+             flush_all=flush_all)
   carry = (jnp.ones((batch,), jnp.int32), cache)
   _, timing = common.time_loop(lambda c, n: fn(params, c, n), carry, reps=reps, rep_seconds=rep_seconds)
-  return step_row(timing, batch=batch, replay=replay, buffer_len=buffer_len)
+  return step_row(timing, batch=batch, mode=mode, buffer_len=buffer_len)
 
 
 def main(argv=None) -> dict:
@@ -87,12 +95,17 @@ def main(argv=None) -> dict:
   model = make_model(LMConfig(**geometry, dtype=dtype), seed=0)
   rows = []
   for batch in batches:
-    pair = [measure(model, batch, replay=r, buffer_len=args.buffer_len, reps=reps, rep_seconds=rep_seconds,
-                    implementation=args.implementation) for r in (False, True)]
-    pair[1]["speedup_vs_conv"] = pair[0]["median_ms"] / pair[1]["median_ms"]
-    rows += pair
-    common.log(f"B={batch}: conventional {pair[0]['median_ms']:.3f} ms/step, replay "
-               f"{pair[1]['median_ms']:.3f} ms/step ({pair[1]['speedup_vs_conv']:.2f}x)")
+    probe = model.init_cache(batch, buffer_len=args.buffer_len, ring_dtype=jnp.bfloat16)
+    modes = ["conventional", "replay"] + (["replay-no-policy"] if model._small_batch(probe, batch) else [])
+    del probe
+    group = [measure(model, batch, mode=m, buffer_len=args.buffer_len, reps=reps, rep_seconds=rep_seconds,
+                     implementation=args.implementation) for m in modes]
+    for r in group[1:]:
+      r["speedup_vs_conv"] = group[0]["median_ms"] / r["median_ms"]
+    rows += group
+    common.log(f"B={batch}: " + ", ".join(f"{r['mode']} {r['median_ms']:.3f} ms/step"
+                                          + (f" ({r['speedup_vs_conv']:.2f}x)" if "speedup_vs_conv" in r else "")
+                                          for r in group))
   headers = ["B", "mode", "ms/step (median)", "p20", "p80", "tokens/s", "speed-up"]
   table = common.render_table(headers, [[str(r["batch"]), r["mode"], f"{r['median_ms']:.3f}", f"{r['p20_ms']:.3f}",
                                          f"{r['p80_ms']:.3f}", f"{r['tokens_per_s']:.0f}",

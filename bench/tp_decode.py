@@ -110,7 +110,7 @@ def measure_sharded(sharded, batch, *, replay, buffer_len, reps, rep_seconds) ->
   fn = jax.jit(run, donate_argnums=(1,))   # n traced: one compilation for every n
   _, timing = common.time_loop(lambda c, n: fn(sharded.params, c, n), (jnp.ones((batch,), jnp.int32), cache),
                                reps=reps, rep_seconds=rep_seconds)
-  return step_row(timing, batch=batch, replay=replay, buffer_len=buffer_len)
+  return step_row(timing, batch=batch, mode="replay" if replay else "conventional", buffer_len=buffer_len)
 
 
 def main(argv=None) -> dict:
@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     sharded = shard_model(model, mesh, axis="tp")
     for batch in batches:
       for replay in (False, True):
-        one = measure(model, batch, replay=replay, buffer_len=args.buffer_len, reps=args.reps,
+        one = measure(model, batch, mode="replay" if replay else "conventional", buffer_len=args.buffer_len, reps=args.reps,
                       rep_seconds=args.rep_seconds, implementation=None)
         many = measure_sharded(sharded, batch, replay=replay, buffer_len=args.buffer_len, reps=args.reps,
                                rep_seconds=args.rep_seconds)

@@ -124,29 +124,37 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
 def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
                         ring_size: int) -> KernelConfig:
   """Fold-and-step kernel of ``plan.flush_all`` steps, grid (V/BV, Hv, B), tile [BV, K]."""
-  cfg = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
-                      head_v_dim=head_v_dim, batch=0)
-  if not _is_cpu(device_kind) and ring_size >= 32:
-    # *unmeasured*: the window sum is an IEEE dot over R entries, which spilled with [32, 64]
-    # tiles in 2 warps at R = 32 in the fold pass (0.184 ms with [16, 64] in 4 warps): 4 warps.
-    cfg = cfg.override(block_v=16, num_warps=4)
-  # Otherwise the conventional decode's tile: with an empty window this kernel moves its bytes.
-  return cfg
+  if _is_cpu(device_kind):
+    return decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
+                         head_v_dim=head_v_dim, batch=0)
+  if _is_f32(state_dtype) or ring_size >= 32:
+    # The kernel's registers are set by its fold branch (an IEEE dot over R ring entries), which
+    # steady-state steps never run; the smallest tile keeps the empty-window branch at the
+    # conventional decode's speed. H200 2026-11-29, f32, L = 16 (R = 16), vs conv-pallas in the
+    # same run: [8, K]/1 warp 0.97x at B = 8, 0.98x at 32, 0.97x at 128; [16, K]/2 warps and the
+    # bf16 tile 0.89-0.91x. At R = 32 (L = 32) [8, K]/1 0.050 ms vs [16, K]/4 0.069 ms at B = 32
+    # (f32); bf16 at R = 32 was timed at B = 1 only (all tiles within 2 %).
+    return KernelConfig(block_v=8, num_warps=1).fit(head_v_dim)
+  # bf16/f16 state, R = 16: the conventional decode's tile [32, K]/4 warps 0.94x / 1.00x / 0.99x at
+  # B = 8 / 32 / 128 (H200 2026-11-29); [8, K]/1 0.96x / 0.98x / 0.94x, [16, K]/2 0.92-0.98x.
+  return decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
+                       head_v_dim=head_v_dim, batch=0)
 
 
 def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int) -> int:
   """Below this batch a GDN model flushes every step (``cursor.plan(flush_all=True)``): replay's
   ring work costs more than the state traffic it saves, so each step is one conventional pass."""
-  del buffer_len, state_dtype
+  del buffer_len   # measured at L = 16 only (the default); see below
   if _is_cpu(device_kind):
     return 0   # CPU: no policy (nothing is bandwidth-bound in interpret mode or XLA on CPU)
-  # Off until the fold-and-step kernel has been compiled and timed on the GPU (bench arm
-  # replay-pallas-flushall; bench/NOTES.md item 15): a default path must have run where it is the
-  # default. The crossover it will be set from (H200, Qwen3.5-4B layer, L = 16, bf16 ring, run8):
-  # replay vs conventional f32 0.55x at B=1, 0.77x at 8, 1.06x at 32, 1.29x at 128; bf16 state
-  # 0.64x at 8, 0.88x at 32, 1.05x at 128 — i.e. 32 (f32) and 128 (bf16) if the kernel matches
-  # conventional decode there. ``LM.decode(flush_all=True)`` opts in now.
-  return 0
+  # H200 2026-11-29, Qwen3.5-4B layer, L = 16, bf16 ring, per layer-step vs conv-pallas in the same
+  # run (bench/RESULTS.md, session 4): f32 state: replay 0.55x / 0.77x / 1.06x / 1.28x at
+  # B = 1 / 8 / 32 / 128; flush-every-step 0.97x / 0.98x / 0.97x at B = 8 / 32 / 128 and equal to
+  # conventional at B = 1 → switch below 32.
+  # bf16 state: replay 0.59x / 0.65x / 0.88x / 1.05x; flush-every-step 0.94x / 1.00x / 0.99x at
+  # B = 8 / 32 / 128 → below 128.
+  # f16 shares bf16's bytes and kernels (unmeasured separately).
+  return 32 if _is_f32(state_dtype) else 128
 
 
 def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int,

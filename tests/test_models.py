@@ -162,6 +162,18 @@ def test_flush_all_decode_equals_conventional(model):
   assert model._small_batch(caches[True], 1) is False   # CPU: the policy never turns itself on
 
 
+def test_small_batch_policy_switch(model, monkeypatch):
+  """On a GPU the policy turns on below config.replay_min_batch (f32 state 32, bf16 128), only when
+  every mixer is a GatedDeltaNet (Mamba2 has no one-pass fold-and-step kernel)."""
+  monkeypatch.setattr(importlib.import_module("replayssm_jax.pallas.common"), "device_kind",
+                      lambda: "NVIDIA H200")
+  f32, bf16 = model.init_cache(1), model.init_cache(1, state_dtype=jnp.bfloat16)
+  assert [model._small_batch(f32, b) for b in (1, 31, 32, 256)] == [True, True, False, False]
+  assert [model._small_batch(bf16, b) for b in (32, 127, 128)] == [True, True, False]
+  mixed = make_model(LMConfig.tiny_hybrid(), seed=0)
+  assert mixed._small_batch(mixed.init_cache(1), 1) is False
+
+
 def test_generate_sampling_is_reproducible(model):
   kw = dict(max_new_tokens=16, temperature=1.0, buffer_len=4)
   a, _ = generate(model, PROMPTS, LENGTHS, seed=7, **kw)
