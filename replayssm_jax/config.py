@@ -141,20 +141,37 @@ def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_
                        head_v_dim=head_v_dim, batch=0)
 
 
-def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int) -> int:
-  """Below this batch a GDN model flushes every step (``cursor.plan(flush_all=True)``): replay's
-  ring work costs more than the state traffic it saves, so each step is one conventional pass."""
-  del buffer_len   # measured at L = 16 only (the default); see below
+SMALL_BATCH_FAMILIES = ("gdn", "mamba2")
+
+
+def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int, family: str = "gdn") -> int:
+  """Below this batch a model flushes every step (``cursor.plan(flush_all=True)``): replay's ring
+  work costs more than the state traffic it saves, so each step is one conventional-like pass
+  (the fold-and-step kernels of both families run at 0.97-1.00x of conventional decode)."""
+  if family not in SMALL_BATCH_FAMILIES:
+    raise ValueError(f"family={family!r}; expected one of {SMALL_BATCH_FAMILIES}")
   if _is_cpu(device_kind):
     return 0   # CPU: no policy (nothing is bandwidth-bound in interpret mode or XLA on CPU)
-  # H200 2026-11-29, Qwen3.5-4B layer, L = 16, bf16 ring, per layer-step vs conv-pallas in the same
-  # run (bench/RESULTS.md, session 4): f32 state: replay 0.55x / 0.77x / 1.06x / 1.28x at
-  # B = 1 / 8 / 32 / 128; flush-every-step 0.97x / 0.98x / 0.97x at B = 8 / 32 / 128 and equal to
-  # conventional at B = 1 → switch below 32.
-  # bf16 state: replay 0.59x / 0.65x / 0.88x / 1.05x; flush-every-step 0.94x / 1.00x / 0.99x at
-  # B = 8 / 32 / 128 → below 128.
   # f16 shares bf16's bytes and kernels (unmeasured separately).
-  return 32 if _is_f32(state_dtype) else 128
+  if family == "gdn":
+    del buffer_len   # measured at L = 16 only (the default)
+    # H200 2026-11-29, Qwen3.5-4B layer, L = 16, bf16 ring, per layer-step vs conv-pallas in the
+    # same run (bench/RESULTS.md, session 4): f32 state: replay 0.55x / 0.77x / 1.06x / 1.28x at
+    # B = 1 / 8 / 32 / 128; flush-every-step 0.97x / 0.98x / 0.97x at B = 8 / 32 / 128 and equal to
+    # conventional at B = 1 → switch below 32.
+    # bf16 state: replay 0.59x / 0.65x / 0.88x / 1.05x; flush-every-step 0.94x / 1.00x / 0.99x at
+    # B = 8 / 32 / 128 → below 128.
+    return 32 if _is_f32(state_dtype) else 128
+  # Mamba2, H200 2026-11-29, Nemotron-3-Super layer, bf16 ring, vs conv-pallas in the same run;
+  # flush-every-step 0.96-1.00x at B = 1-128 (both dtypes, L = 8).
+  # f32 state, L <= 8 (the auto route: reconstruct up to B = 128): replay 0.76x / 0.98x / 1.09x /
+  # 1.17x at B = 1 / 8 / 32 / 128 (L = 8) → below 32. L = 16: replay loses up to B = 128 (best
+  # route 0.90x) and wins at 256 (1.17x) → below 256.
+  # bf16 state (output-only, L = 8): replay 0.72x / 0.44x / 0.63x / 0.95x at B = 1 / 8 / 32 / 128,
+  # ≥ 1.0x only at B = 256 (session 2) → below 256.
+  if _is_f32(state_dtype):
+    return 32 if buffer_len <= 8 else 256
+  return 256
 
 
 def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int,
@@ -265,9 +282,16 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
                          num_heads: int, num_groups: int, batch: int, buffer_len: int,
                          route: str = "auto") -> Mamba2ReplayConfig:
   """Replay step, grid (P/BP, H/heads, B); ``route`` "auto" picks the route."""
-  del buffer_len
-  # Output-only never builds S (GDN, H200, B=256, L=16: 0.22 ms vs ≥ 0.39 ms reconstructing).
-  route = "output_only" if route == "auto" else route
+  if route == "auto":
+    # H200 2026-11-29, Nemotron-3-Super layer, f32 state, bf16 ring, vs conv-pallas in the same run
+    # (bench/RESULTS.md, session 4): reconstruct 1.20x / 1.09x at B = 32, L = 4 / 8 (output-only
+    # 0.84x / 0.80x), 1.32x / 1.17x at B = 128 (output-only 1.09x / 1.17x), 1.23x / 1.11x at
+    # B = 256 (output-only 1.13x / 1.12x): its grid has one head per program, 4x the programs of
+    # output-only, and the rebuild's rank-one FMAs need no reductions. At L = 16 output-only wins
+    # everywhere (B = 256: 1.17x vs 0.40x). bf16 state: only output-only has been timed at small B.
+    window_cheap = buffer_len <= 4 or (buffer_len <= 8 and batch <= 128)
+    small = _is_f32(state_dtype) and window_cheap and not _is_cpu(device_kind)
+    route = "reconstruct" if small else "output_only"
   group = num_heads // num_groups
   if _is_cpu(device_kind):
     # Interpret mode: two P tiles, two N chunks and two heads per program cover the indexing.
@@ -287,6 +311,20 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
     # *untuned*: fewer than two programs per H200 SM leaves SMs idle; one head per program.
     cfg = cfg.override(heads=1)
   return Mamba2ReplayConfig(step=cfg, route=route)
+
+
+def mamba2_flush_decode_config(*, device_kind: str, state_dtype, head_dim: int,
+                               state_dim: int) -> Mamba2Config:
+  """Fold-and-step kernel of ``plan.flush_all`` steps, grid (P/BP, H, B), tile [BP, N]; block_n is
+  the chunk of the (rarely taken) window-rebuild branch."""
+  cfg = mamba2_decode_config(device_kind=device_kind, state_dtype=state_dtype, head_dim=head_dim,
+                             state_dim=state_dim, batch=0)
+  if _is_cpu(device_kind):
+    # Interpret mode: two N chunks cover the rebuild's chunk indexing.
+    return cfg.override(block_n=_half_pow2(state_dim)).fit(head_dim, state_dim)
+  # *untuned*: the conventional decode's tile (the steady state is that pass); the rebuild walks N
+  # in chunks of 32 as the replay step's fold does, so its accumulator stays small.
+  return cfg.override(block_n=32).fit(head_dim, state_dim)
 
 
 def mamba2_materialize_config(*, device_kind: str, head_dim: int, state_dim: int) -> Mamba2Config:

@@ -20,7 +20,7 @@ SUPER, NANO = (128, 8, 64, 128), (96, 8, 80, 128)   # (H, G, P, N)
 SLOTS = np.array([5, -1, 2, 7], np.int32)          # a padding row in the middle
 
 
-def _run(route, state_dtype, buffer_len, steps, geometry=SUPER, seed=0):
+def _run(route, state_dtype, buffer_len, steps, geometry=SUPER, seed=0, flush_all_at=()):
   h, g, p, n = geometry
   rng = np.random.default_rng(seed)
   params = make_params(rng, h)
@@ -38,10 +38,10 @@ def _run(route, state_dtype, buffer_len, steps, geometry=SUPER, seed=0):
   pool = bufs.state
   errs = {"replay": 0.0, "state": 0.0, "conv": 0.0}
   flushes = 0
-  for _ in range(steps):
+  for t in range(steps):
     step = make_step(rng, len(SLOTS), h, g, p, n)
     a = step.as_jax()
-    plan = cursor.plan(slots)
+    plan = cursor.plan(slots, flush_all=t in flush_all_at)
     flushes += int(np.sum(np.asarray(plan.flush)))
     y, bufs = rs.mamba2.replay_decode(a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs, plan,
                                       D=jp["D"], z=a["z"], dt_bias=jp["dt_bias"], route=route,
@@ -104,3 +104,10 @@ def test_donated_step_does_not_copy_the_pool():
     state_shape = f"f32[{num_slots},{h},{p},{n}]"
     copies = [line for line in text.splitlines() if " copy(" in line and state_shape in line]
     assert not copies, copies
+
+
+def test_compiled_flush_all_steps():
+  """The small-batch policy's fold-and-step kernel: the first flush_all step folds pending windows,
+  the next runs on empty windows; ordinary replay steps around them."""
+  errs = _run("output_only", jnp.float32, buffer_len=8, steps=12, flush_all_at=(4, 5, 9))
+  assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs

@@ -177,6 +177,50 @@ def test_replay_decode_parity(buffer_len, route, dtypes, p):
   assert wrapped or buffer_len == 1
 
 
+@pytest.mark.parametrize("dtypes", ["f32", "bf16"])
+def test_flush_all_policy_parity(dtypes):
+  """Windows pending, then flush_all steps (the small-batch policy's fold-and-step kernel: the first
+  folds each row's window, later ones run on empty windows), then ordinary replay: outputs,
+  checkpoints and materialized states equal XLA's (and float64 for f32); padding rows inert; ring
+  entries outside windows are NaN and must never leak."""
+  state_dtype, act_dtype = DTYPES[dtypes]
+  tol = tolerance(state_dtype, act_dtype)
+  rng = np.random.default_rng(17)
+  params, jp = _params(rng)
+  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=8)
+  S0 = _initial_states(rng, 8, state_dtype)
+  bufs = {impl: _poisoned_buffers(cursor, 8, state_dtype, S0) for impl in ("xla", "pallas_triton")}
+  exact = np.asarray(_np(S0), np.float64)
+  for t in range(8):
+    slots = _slots_at(t)
+    live = np.asarray(slots) >= 0
+    flush_all = 3 <= t < 6
+    plan = cursor.plan(slots, flush_all=flush_all)
+    if t == 3:
+      assert np.all(np.asarray(plan.count)[live] > 0), "the first flush_all step must fold windows"
+    step = make_step(rng, len(SLOTS), H, G, 8, N)
+    out = {}
+    for impl in bufs:
+      before = bufs[impl]
+      out[impl], bufs[impl] = _replay(step, act_dtype, jp, before, plan, implementation=impl)
+    _assert_untouched("state", before.state, bufs["pallas_triton"].state, np.asarray(slots)[live])
+    assert np.all(_np(out["pallas_triton"])[~live] == 0.0)
+    _assert_close(f"t={t} y", out["pallas_triton"], out["xla"], tol)
+    _assert_close(f"t={t} state", bufs["pallas_triton"].state, bufs["xla"].state, tol)
+    cursor = cursor.commit(plan)
+    if flush_all:
+      assert np.all(np.asarray(cursor.count) == 0)
+    mat = rs.mamba2.materialize(bufs["pallas_triton"], cursor, slots, implementation="xla")
+    _assert_close(f"t={t} materialize", mat,
+                  rs.mamba2.materialize(bufs["xla"], cursor, slots, implementation="xla"), tol)
+    if dtypes == "f32":
+      sl = np.asarray(slots)[live]
+      y64, s64 = mamba2_step_f64(exact[sl], step.rounded().map(lambda a: a[live]), params)
+      exact[sl] = s64
+      assert max_err(_np(out["pallas_triton"])[live], y64) <= tol
+      assert max_err(_np(mat)[live], s64) <= tol
+
+
 def _one_step(seed=7, buffer_len=4, t=5):
   rng = np.random.default_rng(seed)
   _, jp = _params(rng)
@@ -192,6 +236,22 @@ def test_replay_route_auto_matches_output_only():
   ref = _replay(step, "float32", jp, bufs, plan, route="output_only", implementation="pallas_triton")
   for a, b in zip(jax.tree.leaves(auto), jax.tree.leaves(ref)):
     assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+
+
+def test_auto_route_rule_on_the_h200():
+  """The measured route rule: reconstruct for f32 state at L <= 4, and up to B = 128 at L = 8;
+  output-only otherwise."""
+  from replayssm_jax import config  # noqa: PLC0415
+  route = lambda dtype, batch, buffer_len: config.mamba2_replay_config(
+      device_kind="NVIDIA H200", state_dtype=dtype, head_dim=64, state_dim=128, num_heads=128,
+      num_groups=8, batch=batch, buffer_len=buffer_len).route
+  assert route(jnp.float32, 32, 8) == route(jnp.float32, 128, 4) == "reconstruct"
+  assert route(jnp.float32, 256, 4) == "reconstruct"
+  assert route(jnp.float32, 256, 8) == route(jnp.float32, 32, 16) == "output_only"
+  assert route(jnp.bfloat16, 32, 8) == "output_only"
+  assert config.mamba2_replay_config(device_kind="NVIDIA H200", state_dtype=jnp.float32, head_dim=64,
+                                     state_dim=128, num_heads=128, num_groups=8, batch=32, buffer_len=8,
+                                     route="output_only").route == "output_only"
 
 
 def test_the_pallas_kernels_run():
@@ -275,6 +335,7 @@ def _production(geometry, buffer_len, state_dtype):
     ("replay_output_only", "float32", 16, "super"), ("replay_output_only", "bfloat16", 16, "super"),
     ("replay_reconstruct", "float32", 8, "super"), ("replay_reconstruct", "bfloat16", 16, "super"),
     ("materialize", "float32", 16, "super"), ("replay_output_only", "float32", 8, "nano"),
+    ("flush_all", "float32", 16, "super"), ("flush_all", "bfloat16", 32, "nano"),
 ])
 def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   slots, cursor, bufs, step, extra = _production(SUPER if geometry == "super" else NANO, buffer_len,
@@ -287,12 +348,12 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
     text = lower_for_h200(lambda b, c, s: rs.mamba2.materialize(b, c, s, implementation="pallas_triton"),
                   (), bufs, cursor, slots)
   else:
-    route = kernel.removeprefix("replay_")
+    route = "output_only" if kernel == "flush_all" else kernel.removeprefix("replay_")
     text = lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
         x, dt, A, B, C, b, p, z=x, route=route, implementation="pallas_triton", **extra),
-        (0,), bufs, cursor.plan(slots), *step)
+        (0,), bufs, cursor.plan(slots, flush_all=kernel == "flush_all"), *step)
   assert "__gpu$xla.gpu.triton" in text
-  # Every donated buffer is updated in place: pool (decode); state and the three rings (replay).
-  # materialize writes a fresh array, so nothing is aliased there.
+  # Every donated buffer is updated in place: pool (decode); state and the three rings (replay;
+  # flush_all passes the rings through). materialize writes a fresh array, so nothing is aliased.
   expected = {"decode": 1, "materialize": 0}.get(kernel, 4)
   assert text.count("tf.aliasing_output") == expected

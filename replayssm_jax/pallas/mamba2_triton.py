@@ -16,6 +16,8 @@ calls):
   output-only route, under ``pl.when(flush)``, re-reads the checkpoint and rebuilds it chunk by
   chunk from the ring refs (a small [BP, block_n] accumulator: that branch is compiled into
   every program, and its registers would lower the occupancy of all of them).
+  With ``plan.flush_all`` (every live row flushes: the small-batch policy) a fold-and-step kernel,
+  grid (P/BP, H, B), replaces it: the conventional decode's pass once windows are empty.
 * ``materialize``: the rebuild alone, into a fresh f32 array, for every row.
 
 The kernel pieces (``_token``, ``_finish``, ``_decode_step``, ``_window``, ``_fold``, the builders)
@@ -111,6 +113,19 @@ def _chunks(n, block_n, body, init):
                        init)
 
 
+def _stepped_readout(r, b, s, h, g, tile, window, dA, dx, *, block_n, ring_size, store):
+  """y = S_t C_t with S_t = a S_{t-1} + Δx_t B_tᵀ and S_{t-1} rebuilt from the window, walked in
+  [BP, block_n] chunks; each chunk of S_t is written to the checkpoint where ``store`` (traced)."""
+  def chunk(cols, y):
+    S = _step_chunk(r, (b,), s, h, g, tile, cols, window, dA, dx, ring_size)
+
+    @pl.when(store)
+    def _():
+      r["state_out"][s, h, tile, cols] = S.astype(r["state_out"].dtype)
+    return y + jnp.sum(S * r["C"][b, g, cols].astype(f32)[None, :], axis=1)
+  return _chunks(r["state"].shape[-1], block_n, chunk, jnp.zeros((tile.size,), f32))
+
+
 def _decode_step(r, at, g, S, dA, dx):
   """(S_t = a S_{t-1} + Δx_t B_tᵀ, S_t C_t) on a [BP, N] tile, for the token at ``at``."""
   S = jnp.exp(dA) * S + dx[:, None] * r["B"][(*at, g, slice(None))].astype(f32)[None, :]
@@ -165,7 +180,6 @@ def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, rout
   tile = pl.ds(pt * block_p, block_p)
   h0 = hb * heads                       # this program's heads h0 .. h0 + heads - 1, one group
   g = h0 // group
-  n = r["state"].shape[-1]
 
   @pl.when(s < 0)
   def _():
@@ -194,14 +208,8 @@ def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, rout
         SC = jnp.exp(total) * ScC + jnp.sum((weights * rBC)[:, None] * rx, axis=0)
         y = jnp.exp(dA) * SC + BtC * dx
       else:
-        def chunk(cols, y, h=h, window=window, dA=dA, dx=dx):
-          S = _step_chunk(r, (b,), s, h, g, tile, cols, window, dA, dx, ring_size)
-
-          @pl.when(flush)
-          def _():
-            r["state_out"][s, h, tile, cols] = S.astype(r["state_out"].dtype)
-          return y + jnp.sum(S * r["C"][b, g, cols].astype(f32)[None, :], axis=1)
-        y = _chunks(n, block_n, chunk, jnp.zeros((block_p,), f32))
+        y = _stepped_readout(r, b, s, h, g, tile, window, dA, dx, block_n=block_n,
+                             ring_size=ring_size, store=flush)
       r["y_out"][b, h, tile] = _finish(r, y, (b,), h, tile)
       r["ring_x_out"][s, h, put, tile] = dx.astype(r["ring_x_out"].dtype)
 
@@ -218,6 +226,37 @@ def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, rout
       def _():
         _fold(r, (b,), s, h0, g, tile, base, count, heads=heads, block_n=block_n,
               ring_size=ring_size, softplus=softplus)
+
+
+def _flush_decode_kernel(*refs, names, group, block_p, block_n, ring_size, softplus):
+  """Every live row flushes (``plan.flush_all``, the small-batch policy), grid (P/BP, H, B): the
+  checkpoint tile steps once and is written back. After one such step every window is empty (the
+  commit moves base past the token, which is therefore never appended to the ring), so the steady
+  state is the conventional decode; a row arriving with a window rebuilds S_{t-1} chunk by chunk."""
+  r = dict(zip(names, refs))
+  pt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s, count = r["slots"][b], r["count"][b]
+  tile = pl.ds(pt * block_p, block_p)
+  g = h // group
+
+  @pl.when(s < 0)
+  def _():
+    r["y_out"][b, h, tile] = jnp.zeros((block_p,), r["y_out"].dtype)
+
+  @pl.when((s >= 0) & (count == 0))
+  def _():
+    dA, dx = _token(r, (b,), h, tile, softplus)
+    S, y = _decode_step(r, (b,), g, r["state"][s, h, tile, :].astype(f32), dA, dx)
+    r["y_out"][b, h, tile] = _finish(r, y, (b,), h, tile)
+    r["state_out"][s, h, tile, :] = S.astype(r["state_out"].dtype)
+
+  @pl.when((s >= 0) & (count > 0))
+  def _():
+    dA, dx = _token(r, (b,), h, tile, softplus)
+    window = _window(r, s, h, r["base"][b], count, ring_size)
+    y = _stepped_readout(r, b, s, h, g, tile, window, dA, dx, block_n=block_n,
+                         ring_size=ring_size, store=True)
+    r["y_out"][b, h, tile] = _finish(r, y, (b,), h, tile)
 
 
 def _materialize_kernel(*refs, names, group, block_p, block_n, ring_size):
@@ -296,6 +335,21 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, ro
   return out["y_out"], bufs.replace(**{k: out[k + "_out"] for k in buffers})
 
 
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
+def _flush_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cfg, interpret):
+  batch, h, p = x.shape
+  kernel = functools.partial(_flush_decode_kernel, group=h // bufs.num_groups, block_p=cfg.block_p,
+                             block_n=cfg.block_n, ring_size=bufs.ring_size, softplus=dt_softplus)
+  out = _pallas(kernel,
+                {"slots": plan.slots, "base": plan.base, "count": plan.count,
+                 **_step_inputs(x, dt, A, B, C, D, z, dt_bias), "state": bufs.state,
+                 "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a},
+                {"y_out": x, "state_out": bufs.state}, {"state": "state_out"},
+                grid=(p // cfg.block_p, h, batch), cfg=cfg, name="replayssm_mamba2_flush_decode",
+                interpret=interpret)
+  return out["y_out"], bufs.replace(state=out["state_out"])
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def _materialize(bufs, slots, base, length, *, cfg, interpret):
   batch = slots.shape[0]
@@ -363,6 +417,15 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
     raise ValueError(f"heads={heads!r}; expected an int >= 1")
   h, p, n = bufs.num_heads, bufs.head_dim, bufs.state_dim
   _check_sizes(op, p, n)
+  if plan.flush_all:
+    # Every row flushes: one pass like the conventional decode (the routes differ only in how
+    # they read S; ``heads`` has no meaning for this grid).
+    cfg = config_lib.mamba2_flush_decode_config(device_kind=common.device_kind(),
+                                                state_dtype=bufs.state.dtype, head_dim=p, state_dim=n)
+    cfg = _fit(op, cfg, p, n, block_p=block_p, block_n=block_n, num_warps=num_warps,
+               num_stages=num_stages)
+    return _flush_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
+                         cfg=cfg, interpret=common.interpret_mode())
   cfg = config_lib.mamba2_replay_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_dim=p, state_dim=n,
       num_heads=h, num_groups=bufs.num_groups, batch=x.shape[0], buffer_len=plan.buffer_len,
