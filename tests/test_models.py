@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import replayssm_jax as rs
+from replayssm_jax import config as config_lib
 from replayssm_jax.models import (GatedDeltaNet, GatedDeltaNetConfig, LMConfig, generate,
                                   make_model)
 
@@ -163,15 +164,22 @@ def test_flush_all_decode_equals_conventional(model):
 
 
 def test_small_batch_policy_switch(model, monkeypatch):
-  """On a GPU the policy turns on below config.replay_min_batch (f32 state 32, bf16 128), only when
-  every mixer is a GatedDeltaNet (Mamba2 has no one-pass fold-and-step kernel)."""
+  """On a GPU the policy turns on below config.replay_min_batch (GDN: f32 state 32, bf16 128;
+  Mamba2 f32: 32 at L <= 8, else 256); a hybrid takes the smaller threshold. Never on CPU."""
+  assert model._small_batch(model.init_cache(1), 1) is False
   monkeypatch.setattr(importlib.import_module("replayssm_jax.pallas.common"), "device_kind",
                       lambda: "NVIDIA H200")
   f32, bf16 = model.init_cache(1), model.init_cache(1, state_dtype=jnp.bfloat16)
   assert [model._small_batch(f32, b) for b in (1, 31, 32, 256)] == [True, True, False, False]
   assert [model._small_batch(bf16, b) for b in (32, 127, 128)] == [True, True, False]
-  mixed = make_model(LMConfig.tiny_hybrid(), seed=0)
-  assert mixed._small_batch(mixed.init_cache(1), 1) is False
+  m2 = make_model(LMConfig.tiny_mamba2(), seed=0)
+  assert [m2._small_batch(m2.init_cache(1, buffer_len=8), b) for b in (31, 32)] == [True, False]
+  assert [m2._small_batch(m2.init_cache(1), b) for b in (128, 255, 256)] == [True, True, False]
+  hybrid = make_model(LMConfig.tiny_hybrid(), seed=0)
+  assert [hybrid._small_batch(hybrid.init_cache(1), b) for b in (31, 32)] == [True, False]
+  with pytest.raises(ValueError, match="family"):
+    config_lib.replay_min_batch(device_kind="NVIDIA H200", state_dtype=jnp.float32, buffer_len=8,
+                               family="mlp")
 
 
 def test_generate_sampling_is_reproducible(model):

@@ -327,8 +327,8 @@ class LM(nnx.Module):
         (e.g. at a prefix-cache block boundary), leaving an empty window. Replay mode only
         matters; conventional mode always writes the state.
       flush_all: every row flushes this step (static bool), one conventional-like pass per layer:
-        the small-batch policy. None: on when every mixer is GatedDeltaNet and the batch is below
-        ``config.replay_min_batch`` for this device and state dtype (never on CPU).
+        the small-batch policy. None: on when the batch is below ``config.replay_min_batch`` of
+        every mixer family for this device and state dtype (never on CPU).
 
     Returns:
       (logits [B, vocab] float32, cache).
@@ -350,13 +350,17 @@ class LM(nnx.Module):
 
   @staticmethod
   def _small_batch(cache: LMCache, batch: int) -> bool:
-    """The flush-every-step policy: measured for GatedDeltaNet only (Mamba2 has no one-pass
-    fold-and-step kernel yet, so it gains nothing)."""
-    if not cache.layers or not all(isinstance(lc, GdnLayerCache) for lc in cache.layers):
+    """The flush-every-step policy: on below ``config.replay_min_batch`` of every mixer family in
+    the model (one plan serves all layers, so a hybrid flushes only where each family measured a
+    loss for replay)."""
+    families = {GdnLayerCache: "gdn", Mamba2LayerCache: "mamba2"}
+    if not cache.layers:
       return False
-    threshold = config_lib.replay_min_batch(device_kind=pallas_common.device_kind(),
-                                            state_dtype=cache.layers[0].bufs.state.dtype,
-                                            buffer_len=cache.cursor.buffer_len)
+    threshold = min(config_lib.replay_min_batch(device_kind=pallas_common.device_kind(),
+                                                state_dtype=lc.bufs.state.dtype,
+                                                buffer_len=cache.cursor.buffer_len,
+                                                family=families[type(lc)])
+                    for lc in cache.layers)
     return batch < threshold
 
   def verify(self, tokens, cache: LMCache, slots, *, lengths=None, implementation=None,
