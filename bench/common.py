@@ -264,10 +264,17 @@ def hash_uniform(stream: int, shape, lo: float, hi: float):
   takes seconds per array on XLA:CPU) and generates gigabytes quickly on the GPU. Statistical
   quality is irrelevant here; what matters is non-zero, non-repeating data.
   """
-  n = math.prod(shape)
-  if n >= 1 << 32:
-    raise ValueError(f"{shape} has {n} elements; the hash generator indexes with uint32 (lower --target-bytes)")
-  x = lax.iota(jnp.uint32, n) * jnp.uint32(0x9E3779B1) + jnp.uint32((stream * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF)
+  shape = tuple(shape)
+  lead, inner = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+  if inner >= 1 << 32:
+    raise ValueError(f"{shape}: {inner} elements per leading index; the hash generator indexes them "
+                     f"with uint32")
+  # (leading index, flat inner index), each with its own multiplier: arrays past 2^32 elements (a
+  # B = 512 Mamba2 pool of 8 layers) do not repeat.
+  row = lax.broadcasted_iota(jnp.uint32, (lead, inner), 0)
+  col = lax.broadcasted_iota(jnp.uint32, (lead, inner), 1)
+  x = (col * jnp.uint32(0x9E3779B1) + row * jnp.uint32(0xC2B2AE35)
+       + jnp.uint32((stream * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF))
   for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
     x = x ^ (x >> shift)
     if mult is not None:
