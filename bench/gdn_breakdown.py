@@ -2,9 +2,13 @@
 
 Not an honest-cycle benchmark (cursors do not advance; windows are frozen at a staggered spread
 of lengths 0..L-1): a breakdown that times each pass of ``replay_decode`` on its own at one shape,
-over P rotating layer pools like bench.gdn_decode. Run on a GPU:
+over P rotating layer pools like bench.gdn_decode. With ``--tokens T`` (T ≥ 2) the same for
+``replay_verify``: fused and split step kernels with and without flushing rows, the readout
+launch, the fold pass at the verify ring size, and the conventional speculative verify. Run on a
+GPU:
 
     python -m bench.gdn_breakdown --batch 256 --buffer-len 16 --state-dtype float32
+    python -m bench.gdn_breakdown --batch 256 --buffer-len 16 --tokens 4 --config bv32w4
 """
 import argparse
 
@@ -14,17 +18,19 @@ from jax import lax
 
 import replayssm_jax as rs
 from bench import common
+from replayssm_jax import config as config_lib
 from replayssm_jax.pallas import common as pallas_common
 from replayssm_jax.pallas import gdn_triton
+from replayssm_jax.pallas import gdn_verify_triton
 
 HK, HV, KD, VD = 16, 32, 128, 128
 INTERPRET = pallas_common.interpret_mode()
 LAYERS = 1
 
 
-def _setup(batch, buffer_len, state_dtype, layers, seed=0):
+def _setup(batch, buffer_len, state_dtype, layers, seed=0, tokens=1):
   n = batch * layers
-  cursor = rs.ReplayCursor.create(n, buffer_len=buffer_len)
+  cursor = rs.ReplayCursor.create(n, buffer_len=buffer_len, max_draft=tokens - 1)
   bufs = rs.gdn.ReplayBuffers.create(n, cursor, num_k_heads=HK, num_v_heads=HV, head_k_dim=KD,
                                      head_v_dim=VD, state_dtype=state_dtype, ring_dtype=jnp.bfloat16)
   key = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
@@ -33,11 +39,12 @@ def _setup(batch, buffer_len, state_dtype, layers, seed=0):
       ring_k=jax.random.normal(next(key), bufs.ring_k.shape).astype(jnp.bfloat16) * 0.09,
       ring_u=jax.random.normal(next(key), bufs.ring_u.shape).astype(jnp.bfloat16),
       ring_g=-jax.random.uniform(next(key), bufs.ring_g.shape, minval=0.01, maxval=0.5))
-  q = jax.random.normal(next(key), (batch, HK, KD), jnp.bfloat16)
-  k = (jax.random.normal(next(key), (batch, HK, KD)) * 0.09).astype(jnp.bfloat16)
-  v = jax.random.normal(next(key), (batch, HV, VD), jnp.bfloat16)
-  g = -jax.random.uniform(next(key), (batch, HV), minval=0.01, maxval=0.5)
-  beta = jax.nn.sigmoid(jax.random.normal(next(key), (batch, HV))).astype(jnp.bfloat16)
+  lead = (batch,) if tokens == 1 else (batch, tokens)   # decode [B, ...]; verify [B, T, ...]
+  q = jax.random.normal(next(key), lead + (HK, KD), jnp.bfloat16)
+  k = (jax.random.normal(next(key), lead + (HK, KD)) * 0.09).astype(jnp.bfloat16)
+  v = jax.random.normal(next(key), lead + (HV, VD), jnp.bfloat16)
+  g = -jax.random.uniform(next(key), lead + (HV,), minval=0.01, maxval=0.5)
+  beta = jax.nn.sigmoid(jax.random.normal(next(key), lead + (HV,))).astype(jnp.bfloat16)
   count = jnp.arange(batch, dtype=jnp.int32) % buffer_len
   base = (jnp.arange(batch, dtype=jnp.int32) * 7) % cursor.ring_size
   return bufs, cursor, (q, k, v, g, beta), base, count
@@ -52,10 +59,74 @@ def _time(fn, carry, label, rows):
   common.log(f"{label}: {med * 1e3:.4f} ms per layer-step")
 
 
+def verify_breakdown(B, L, T, P, sdt, knobs):
+  """Each launch of ``replay_verify`` (T tokens per row) timed on its own, plus the baseline."""
+  bufs, cursor, xs, base, count = _setup(B, L, sdt, P, tokens=T)
+  count = jnp.minimum(count, L - 1)
+  lengths = jnp.full((B,), T, jnp.int32)
+  scale = KD ** -0.5
+  slots_of = [jnp.arange(B, dtype=jnp.int32) + l * B for l in range(P)]
+  natural = count + T > L - 1                      # the cursor's flush rule at T tokens
+  plan_of = lambda slots, flush: rs.ReplayPlan(slots=slots, base=base, count=count, flush=flush,
+                                               num_tokens=T, buffer_len=L, ring_size=cursor.ring_size)
+  cfg = gdn_verify_triton.verify_cfg("breakdown", bufs, plan_of(slots_of[0], natural), B, **knobs)
+  rows = []
+
+  def per_layer(fn):
+    def step(b):
+      for l in range(P):
+        b = fn(b, slots_of[l])
+      return b
+    return step
+
+  def verify(split, flushing):
+    c = config_lib.VerifyConfig(step=cfg.step, readout=cfg.readout, split=split, fold=cfg.fold,
+                                fold_rows=cfg.fold_rows)
+
+    def fn(b, slots):
+      plan = plan_of(slots, natural if flushing else jnp.zeros_like(natural))
+      return gdn_verify_triton._replay_verify(*xs, b, plan, lengths, scale=scale, cfg=c,
+                                              interpret=INTERPRET)[1]
+    return fn
+
+  def readout(b, slots):
+    r = gdn_verify_triton._readout(xs[0], xs[1], b.state, slots, lengths, scale=scale,
+                                   cfg=cfg.readout, interpret=INTERPRET)
+    # One element fed back into the state: the launch is neither dead code nor loop-invariant
+    # (XLA would hoist it out of the timing loop).
+    return b.replace(state=b.state.at[0, 0, 0, 0].set(r[-1, -1, -1, -1].astype(b.state.dtype)))
+
+  def fold(b, slots):
+    return gdn_triton.fold_flushing_rows(b, plan_of(slots, natural), cfg=cfg, interpret=INTERPRET)
+
+  stack = jnp.zeros((B * P, T, HV, VD, KD), sdt)
+  read_index = jnp.zeros((B,), jnp.int32)
+
+  def conventional(st):
+    for l in range(P):
+      st = gdn_verify_triton.verify_conventional(*xs, st, slots_of[l], read_index, lengths,
+                                                 scale=scale)[1]
+    return st
+
+  flushing = int(jnp.sum(natural))
+  for label, fn in ((f"verify fused, {flushing} flushing rows", verify(False, True)),
+                    ("verify fused, no flushing row", verify(False, False)),
+                    (f"verify split, {flushing} flushing rows", verify(True, True)),
+                    ("verify split, no flushing row", verify(True, False)),
+                    ("readout launch only", readout),
+                    (f"fold pass only, {flushing} rows", fold)):
+    _time(lambda c, fn=fn: per_layer(fn)(c), jax.tree.map(jnp.copy, bufs), label, rows)
+  _time(conventional, stack, "conventional speculative verify", rows)
+  print(f"\nB={B} L={L} T={T} R={cursor.ring_size} state={sdt} P={P}\nstep {cfg.step}\n"
+        f"readout {cfg.readout}\nfold {cfg.fold} fold_rows {cfg.fold_rows}")
+  print(common.render_table(["pass", "ms/layer-step", "p20-p80"], rows))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m bench.gdn_breakdown")
   p.add_argument("--batch", type=int, default=256)
   p.add_argument("--buffer-len", type=int, default=16)
+  p.add_argument("--tokens", type=int, default=1, help="T >= 2: break down replay_verify")
   p.add_argument("--state-dtype", default="float32")
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--config", default="default", help="step launch config, e.g. bv64w2bk64")
@@ -63,6 +134,8 @@ def main(argv=None):
   global LAYERS
   B, L, P, sdt = args.batch, args.buffer_len, args.layers, jnp.dtype(args.state_dtype)
   LAYERS = P
+  if args.tokens > 1:
+    return verify_breakdown(B, L, args.tokens, P, sdt, common.parse_config(args.config).kwargs())
   bufs, cursor, xs, base, count = _setup(B, L, sdt, P)
   kw = common.parse_config(args.config).kwargs()
   cfg = gdn_triton._replay_cfg("breakdown", bufs, B, L, **kw)

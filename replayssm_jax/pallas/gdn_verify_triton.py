@@ -207,20 +207,26 @@ def _conventional_kernel(slots_ref, read_ref, lengths_ref, q_ref, k_ref, v_ref, 
 # Builders.
 # ----------------------------------------------------------------------------------------------
 
+def _readout(q, k, state, slots, lengths, *, scale, cfg, interpret):
+  """The split route's readout launch: float32 [B, Hv, 2T, V] (S_c·k_i, then S_c·q_i)."""
+  batch, t, hk = q.shape[:3]
+  _, hv, vd, _ = state.shape
+  kernel = functools.partial(_readout_kernel, scale=scale, group=hv // hk, block_v=cfg.block_v,
+                             num_tokens=t)
+  (readout,) = gdn_triton._pallas(
+      kernel, (slots, lengths, q, k, state), grid=(vd // cfg.block_v, hv, batch),
+      out_shape=[jax.ShapeDtypeStruct((batch, hv, 2 * t, vd), jnp.float32)], aliases={}, cfg=cfg,
+      name="replayssm_gdn_verify_readout", interpret=interpret)
+  return readout
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
 def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret):
   batch, t, hk = q.shape[:3]
   hv, vd = bufs.num_v_heads, bufs.head_v_dim
   step = cfg.step
-  source = bufs.state
-  if cfg.split:
-    rd = cfg.readout
-    readout = functools.partial(_readout_kernel, scale=scale, group=hv // hk, block_v=rd.block_v,
-                                num_tokens=t)
-    (source,) = gdn_triton._pallas(
-        readout, (plan.slots, lengths, q, k, bufs.state), grid=(vd // rd.block_v, hv, batch),
-        out_shape=[jax.ShapeDtypeStruct((batch, hv, 2 * t, vd), jnp.float32)], aliases={}, cfg=rd,
-        name="replayssm_gdn_verify_readout", interpret=interpret)
+  source = _readout(q, k, bufs.state, plan.slots, lengths, scale=scale, cfg=cfg.readout,
+                    interpret=interpret) if cfg.split else bufs.state
   kernel = functools.partial(_verify_step_kernel, scale=scale, group=hv // hk, block_v=step.block_v,
                              block_k=step.block_k, ring_size=bufs.ring_size, num_tokens=t,
                              split=cfg.split)
@@ -252,25 +258,16 @@ def _verify_conventional(q, k, v, g, beta, stack, slots, read_index, lengths, *,
 # Public wrappers (called from gdn/ops.py; inputs already validated there).
 # ----------------------------------------------------------------------------------------------
 
-def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, scale,
-                  split=None, block_v=None, block_k=None, num_warps=None, num_stages=None,
-                  readout_block_v=None, readout_num_warps=None, fold_block_v=None,
-                  fold_block_k=None, fold_num_warps=None, fold_rows=None):
-  """ReplaySSM GDN verify (T = plan.num_tokens tokens per row): [readout launch,] step kernel, then
-  the fold pass.
-
-  ``lengths`` int32[B] real tokens per row in [1, T]. ``split`` (None: the config's) computes the
-  checkpoint readouts in their own launch. The keyword knobs override the configs like
-  ``gdn_triton.replay_decode``'s. Returns (o [B, T, Hv, V] in v.dtype, bufs).
-  """
-  op = "gdn.replay_verify[pallas_triton]"
-  if bufs.fold != "u":
-    raise NotImplementedError(f"{op}: buffers with fold={bufs.fold!r}; only fold='u' is supported")
+def verify_cfg(op, bufs: ReplayBuffers, plan: ReplayPlan, batch, *, split=None, block_v=None,
+               block_k=None, num_warps=None, num_stages=None, readout_block_v=None,
+               readout_num_warps=None, fold_block_v=None, fold_block_k=None, fold_num_warps=None,
+               fold_rows=None) -> config_lib.VerifyConfig:
+  """The config's VerifyConfig for this shape with the keyword overrides applied."""
   common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
   kd, vd = bufs.head_k_dim, bufs.head_v_dim
   cfg = config_lib.verify_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_k_dim=kd, head_v_dim=vd,
-      num_k_heads=bufs.num_k_heads, batch=q.shape[0], buffer_len=plan.buffer_len,
+      num_k_heads=bufs.num_k_heads, batch=batch, buffer_len=plan.buffer_len,
       ring_size=bufs.ring_size, num_tokens=plan.num_tokens)
   step = gdn_triton._knobs(op, cfg.step, vd, kd, block_v=block_v, block_k=block_k,
                            num_warps=num_warps, num_stages=num_stages)
@@ -278,8 +275,26 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
                               num_warps=readout_num_warps)
   fold = gdn_triton._knobs(op, cfg.fold, vd, kd, block_v=fold_block_v, block_k=fold_block_k,
                            num_warps=fold_num_warps)
-  cfg = config_lib.VerifyConfig(step=step, readout=readout, split=cfg.split if split is None else bool(split),
-                                fold=fold, fold_rows=cfg.fold_rows if fold_rows is None else int(fold_rows))
+  return config_lib.VerifyConfig(step=step, readout=readout,
+                                 split=cfg.split if split is None else bool(split), fold=fold,
+                                 fold_rows=cfg.fold_rows if fold_rows is None else int(fold_rows))
+
+
+def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, scale,
+                  **knobs):
+  """ReplaySSM GDN verify (T = plan.num_tokens tokens per row): [readout launch,] step kernel, then
+  the fold pass.
+
+  ``lengths`` int32[B] real tokens per row in [1, T]. Keyword knobs (``verify_cfg``): ``split``
+  (None: the config's) computes the checkpoint readouts in their own launch; ``block_v``,
+  ``block_k``, ``num_warps``, ``num_stages`` (step), ``readout_block_v``, ``readout_num_warps``,
+  ``fold_block_v``, ``fold_block_k``, ``fold_num_warps``, ``fold_rows`` override the configs like
+  ``gdn_triton.replay_decode``'s. Returns (o [B, T, Hv, V] in v.dtype, bufs).
+  """
+  op = "gdn.replay_verify[pallas_triton]"
+  if bufs.fold != "u":
+    raise NotImplementedError(f"{op}: buffers with fold={bufs.fold!r}; only fold='u' is supported")
+  cfg = verify_cfg(op, bufs, plan, q.shape[0], **knobs)
   return _replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=float(scale), cfg=cfg,
                         interpret=common.interpret_mode())
 
