@@ -50,6 +50,15 @@ def _setup(batch, buffer_len, state_dtype, layers, seed=0, tokens=1):
   return bufs, cursor, (q, k, v, g, beta), base, count
 
 
+def per_layer(fn, slots_of):
+  """One step over all P layers: ``fn(buffers, slots)`` for each layer's slots in turn."""
+  def step(b):
+    for slots in slots_of:
+      b = fn(b, slots)
+    return b
+  return step
+
+
 def _time(fn, carry, label, rows):
   call = jax.jit(lambda c, n: lax.fori_loop(0, n, lambda _, c: fn(c), c), donate_argnums=0)
   _, t = common.time_loop(call, carry, reps=7, rep_seconds=0.2)
@@ -71,13 +80,6 @@ def verify_breakdown(B, L, T, P, sdt, knobs):
                                                num_tokens=T, buffer_len=L, ring_size=cursor.ring_size)
   cfg = gdn_verify_triton.verify_cfg("breakdown", bufs, plan_of(slots_of[0], natural), B, **knobs)
   rows = []
-
-  def per_layer(fn):
-    def step(b):
-      for l in range(P):
-        b = fn(b, slots_of[l])
-      return b
-    return step
 
   def verify(split, flushing):
     c = config_lib.VerifyConfig(step=cfg.step, readout=cfg.readout, split=split, fold=cfg.fold,
@@ -115,7 +117,7 @@ def verify_breakdown(B, L, T, P, sdt, knobs):
                     ("verify split, no flushing row", verify(True, False)),
                     ("readout launch only", readout),
                     (f"fold pass only, {flushing} rows", fold)):
-    _time(lambda c, fn=fn: per_layer(fn)(c), jax.tree.map(jnp.copy, bufs), label, rows)
+    _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows)
   _time(conventional, stack, "conventional speculative verify", rows)
   print(f"\nB={B} L={L} T={T} R={cursor.ring_size} state={sdt} P={P}\nstep {cfg.step}\n"
         f"readout {cfg.readout}\nfold {cfg.fold} fold_rows {cfg.fold_rows}")
@@ -142,13 +144,6 @@ def main(argv=None):
   scale = KD ** -0.5
   slots_of = [jnp.arange(B, dtype=jnp.int32) + l * B for l in range(P)]
   rows = []
-
-  def per_layer(fn):
-    def step(b):
-      for l in range(P):
-        b = fn(b, slots_of[l])
-      return b
-    return step
 
   def replay(flush_every):
     def fn(b, slots):
@@ -177,7 +172,7 @@ def main(argv=None):
                     (f"fold pass only, 1/{L} rows fold {L} entries", fold(True)),
                     ("fold pass only, no active row", fold(False)),
                     ("conventional decode", conventional)):
-    _time(lambda c, fn=fn: per_layer(fn)(c), jax.tree.map(jnp.copy, bufs), label, rows)
+    _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows)
   print(f"\nB={B} L={L} state={sdt} P={P} step config {cfg.step} fold {cfg.fold} route {cfg.route}")
   print(common.render_table(["pass", "ms/layer-step", "p20-p80"], rows))
 
