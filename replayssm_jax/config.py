@@ -342,18 +342,27 @@ def mamba2_materialize_config(*, device_kind: str, head_dim: int, state_dim: int
 # guesses from the decode calibration until an H200 sweep of bench/verify_decode.py exists.
 
 
+VERIFY_ROUTES = ("output_only", "reconstruct")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifyConfig:
-  """GDN verify: the step kernel, grid (V/BV, Hk, B), which reads the checkpoint itself (``split``
-  False) or takes the 2T checkpoint readouts S_c·k_i, S_c·q_i from a separate readout launch, grid
-  (V/BV, Hv, B) (``split`` True); then the replay fold pass over the flushing rows."""
+  """GDN verify. Route ``output_only``: the step kernel, grid (V/BV, Hk, B), which reads the
+  checkpoint itself (``split`` False) or takes the 2T checkpoint readouts S_c·k_i, S_c·q_i from a
+  separate readout launch, grid (V/BV, Hv, B) (``split`` True); then the replay fold pass over the
+  flushing rows. Route ``reconstruct``: one launch, grid (V/BV, Hv, B), tile ``step`` [BV, K]
+  (the window is replayed into the tile, the tokens stepped through it, flushing rows store it
+  after token 0); ``readout``, ``split``, ``fold`` and ``fold_rows`` are unused."""
   step: KernelConfig
   readout: KernelConfig
   split: bool
   fold: KernelConfig
   fold_rows: int = 1
+  route: str = "output_only"
 
   def __post_init__(self):
+    if self.route not in VERIFY_ROUTES:
+      raise ValueError(f"route={self.route!r}; expected one of {VERIFY_ROUTES}")
     if not isinstance(self.split, bool):
       raise ValueError(f"split={self.split!r}; expected a bool")
     if not isinstance(self.fold_rows, int) or self.fold_rows < 1:
@@ -362,12 +371,19 @@ class VerifyConfig:
 
 def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
                   num_k_heads: int, batch: int, buffer_len: int, ring_size: int,
-                  num_tokens: int) -> VerifyConfig:
-  """Verify step (fused or split), then the replay fold pass."""
+                  num_tokens: int, route: str | None = None) -> VerifyConfig:
+  """Verify step (fused or split), then the replay fold pass; or the one-launch reconstruct route.
+  ``route`` None: the default route (output-only until the reconstruct route is timed)."""
   base = replay_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                        head_v_dim=head_v_dim, num_k_heads=num_k_heads, batch=batch,
                        buffer_len=buffer_len, ring_size=ring_size)
-  if _is_cpu(device_kind):
+  route = "output_only" if route is None else route
+  if route == "reconstruct":
+    # *unmeasured*: the conventional decode's tile [BV, K] (the kernel is that step plus a window
+    # replay into the tile); CPU: two V tiles cover the tile indexing.
+    step = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
+                         head_v_dim=head_v_dim, batch=batch)
+  elif _is_cpu(device_kind):
     # Interpret mode: the replay step's tiles (two V tiles, two K chunks cover the indexing).
     step = base.step
   elif num_tokens <= 4:
@@ -388,7 +404,8 @@ def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   # slots keeps one row per fold program, and rows beyond loop, never drop.
   flushing = -(-batch * (num_tokens + 1) // (2 * max(buffer_len - num_tokens, 1)))
   fold_rows = min(batch, _next_pow2(2 * flushing))
-  return VerifyConfig(step=step, readout=readout, split=False, fold=base.fold, fold_rows=fold_rows)
+  return VerifyConfig(step=step, readout=readout, split=False, fold=base.fold, fold_rows=fold_rows,
+                      route=route)
 
 
 def verify_conventional_config(*, device_kind: str, state_dtype, head_k_dim: int,

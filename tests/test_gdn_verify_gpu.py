@@ -93,6 +93,16 @@ def test_compiled_verify_split_route(monkeypatch):
   assert max(errs.values()) < 5e-5, errs
 
 
+@pytest.mark.parametrize("num_tokens,state_dtype", [(4, jnp.float32), (8, jnp.float32), (4, jnp.bfloat16)])
+def test_compiled_verify_reconstruct_route(monkeypatch, num_tokens, state_dtype):
+  """The one-launch reconstruct route (window replayed into the tile, flush stored in place)."""
+  real = config_lib.verify_config
+  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: real(**{**kw, "route": "reconstruct"}))
+  errs = _run(num_tokens, 16, state_dtype, steps=16, seed=3)
+  bound = 5e-5 if state_dtype == jnp.float32 else 5e-2
+  assert errs["replay"] < bound and errs["state"] < bound, errs
+
+
 def test_compiled_verify_bf16_state():
   errs = _run(4, 16, jnp.bfloat16, steps=16, seed=1)
   assert errs["replay"] < 5e-2 and errs["state"] < 5e-2, errs

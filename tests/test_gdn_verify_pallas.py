@@ -20,6 +20,7 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax import config as config_lib
+from replayssm_jax.pallas import gdn_verify_triton
 from tests.helpers import gdn_step_f64, lower_for_h200, make_gdn_step, max_err, tolerance
 from tests.test_gdn_verify import FIELDS, _token, _tokens
 
@@ -149,6 +150,13 @@ def split_route(monkeypatch):
   monkeypatch.setattr(config_lib, "verify_config", lambda **kw: dataclasses.replace(real(**kw), split=True))
 
 
+@pytest.fixture
+def reconstruct_route(monkeypatch):
+  """Makes the Pallas verify take the one-launch reconstruct route."""
+  real = config_lib.verify_config
+  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: real(**{**kw, "route": "reconstruct"}))
+
+
 @pytest.mark.parametrize("num_tokens,buffer_len,steps", [(2, 4, 14), (4, 8, 14), (8, 16, 10)])
 def test_random_accepts_parity(num_tokens, buffer_len, steps):
   """Staggered rows (slots join late, permuted batches), a padding row, short rows (NaN in padded
@@ -159,6 +167,17 @@ def test_random_accepts_parity(num_tokens, buffer_len, steps):
 def test_random_accepts_parity_split_route(split_route):
   """The same checks with the checkpoint readouts computed in their own launch."""
   _random_accepts(4, 8, 14)
+
+
+@pytest.mark.parametrize("num_tokens,buffer_len,steps", [(4, 8, 14)])   # T=8: the gpu test
+def test_random_accepts_parity_reconstruct_route(reconstruct_route, num_tokens, buffer_len, steps):
+  """The same checks on the reconstruct route (window replayed into the tile, flush stored in the
+  same launch)."""
+  _random_accepts(num_tokens, buffer_len, steps)
+
+
+def test_reconstruct_route_forced_flush_with_pending_drafts(reconstruct_route):
+  test_forced_flush_with_pending_drafts()
 
 
 def _random_accepts(num_tokens, buffer_len, steps):
@@ -278,6 +297,30 @@ def test_split_route_lowers_for_h200(split_route):
                 bufs, cursor.plan(_SLOTS, num_tokens=4), jnp.full((P_B,), 4, i32), *_production_tokens(4))
   assert text.count("__gpu$xla.gpu.triton") == 3          # readout, verify step, fold pass
   assert text.count("tf.aliasing_output") == 4
+
+
+@pytest.mark.parametrize("num_tokens,state_dtype", [(4, "float32"), (8, "bfloat16")])
+def test_reconstruct_route_lowers_for_h200(reconstruct_route, num_tokens, state_dtype):
+  cursor = rs.ReplayCursor.create(P_N, buffer_len=16, max_draft=num_tokens - 1)
+  bufs = rs.gdn.ReplayBuffers.create(P_N, cursor, num_k_heads=P_HK, num_v_heads=P_HV, head_k_dim=P_K,
+                                     head_v_dim=P_V, state_dtype=state_dtype, ring_dtype=jnp.bfloat16)
+  text = _lower(lambda b, p, n, *x: rs.gdn.replay_verify(*x, b, p, lengths=n, implementation="pallas_triton"),
+                bufs, cursor.plan(_SLOTS, num_tokens=num_tokens), jnp.full((P_B,), num_tokens, i32),
+                *_production_tokens(num_tokens))
+  assert text.count("__gpu$xla.gpu.triton") == 1          # one launch: no fold pass
+  assert text.count("tf.aliasing_output") == 4             # state and the three rings, in place
+
+
+def test_bad_verify_route():
+  cursor = rs.ReplayCursor.create(P_N, buffer_len=8, max_draft=1)
+  bufs = rs.gdn.ReplayBuffers.create(P_N, cursor, num_k_heads=P_HK, num_v_heads=P_HV, head_k_dim=P_K,
+                                     head_v_dim=P_V)
+  with pytest.raises(ValueError, match="route"):
+    gdn_verify_triton.verify_cfg("op", bufs, cursor.plan(_SLOTS, num_tokens=2), P_B, route="fused")
+  with pytest.raises(ValueError, match="route"):
+    config_lib.VerifyConfig(step=config_lib.KernelConfig(block_v=16, num_warps=2),
+                            readout=config_lib.KernelConfig(block_v=16, num_warps=2), split=False,
+                            fold=config_lib.KernelConfig(block_v=16, num_warps=2), route="fused")
 
 
 @pytest.mark.parametrize("num_tokens,state_dtype", [(2, "bfloat16"), (4, "float32"), (8, "float32")])
