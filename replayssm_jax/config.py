@@ -424,9 +424,19 @@ def verify_conventional_config(*, device_kind: str, state_dtype, head_k_dim: int
 
 def mamba2_verify_config(*, device_kind: str, state_dtype, head_dim: int, state_dim: int,
                          num_heads: int, num_groups: int, batch: int, buffer_len: int,
-                         num_tokens: int) -> Mamba2Config:
-  """Verify step (output-only, flush fold fused in), grid (P/BP, H/heads, B), T tokens per row."""
-  del state_dtype, buffer_len
+                         num_tokens: int, route: str | None = None) -> Mamba2ReplayConfig:
+  """Verify step, T tokens per row, flush fold fused in. Route ``output_only``: grid
+  (P/BP, H/heads, B); ``reconstruct``: grid (P/BP, H, B), the window replayed into the [BP, N]
+  tile. ``route`` None: output-only (the reconstruct route is untimed)."""
+  del buffer_len
+  route = "output_only" if route is None else route
+  if route not in VERIFY_ROUTES:
+    raise ValueError(f"route={route!r}; expected None or one of {VERIFY_ROUTES}")
+  if route == "reconstruct":
+    # *unmeasured*: the conventional decode's tile (the kernel is that step plus a window replay).
+    step = mamba2_decode_config(device_kind=device_kind, state_dtype=state_dtype,
+                                head_dim=head_dim, state_dim=state_dim, batch=batch)
+    return Mamba2ReplayConfig(step=step, route=route)
   if _is_cpu(device_kind):
     # Interpret mode: two P tiles, two N chunks (fold) and two heads per program cover the indexing.
     cfg = Mamba2Config(block_p=_half_pow2(head_dim), block_n=_half_pow2(state_dim), heads=2,
@@ -441,7 +451,7 @@ def mamba2_verify_config(*, device_kind: str, state_dtype, head_dim: int, state_
   if not _is_cpu(device_kind) and batch * (num_heads // cfg.heads) * (head_dim // cfg.block_p) < 2 * 132:
     # *untuned*: fewer than two programs per H200 SM leaves SMs idle; one head per program.
     cfg = cfg.override(heads=1)
-  return cfg
+  return Mamba2ReplayConfig(step=cfg, route=route)
 
 
 def mamba2_verify_conventional_config(*, device_kind: str, state_dtype, head_dim: int,

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import replayssm_jax as rs
+from replayssm_jax import config as config_lib
 from tests.helpers import lower_for_h200, max_err, tolerance
 from tests.test_mamba2_ops import make_params, mamba2_step_f64
 from tests.test_mamba2_pallas import SUPER
@@ -139,10 +140,33 @@ class Twin:
     assert max_err(got, self.oracle[rows[idx]]) <= TOL
 
 
+@pytest.fixture
+def reconstruct_route(monkeypatch):
+  """Makes the Pallas verify take the reconstruct route (window replayed into the tile)."""
+  real = config_lib.mamba2_verify_config
+  monkeypatch.setattr(config_lib, "mamba2_verify_config", lambda **kw: real(**{**kw, "route": "reconstruct"}))
+
+
 @pytest.mark.parametrize("num_tokens,buffer_len", [(2, 4), (4, 8)])
 def test_verify_parity_random_accepts(num_tokens, buffer_len):
   """14 steps: staggered rows, a padding row, short rows with NaN lanes, random forced flushes, and
   at step 6 a forced flush of a row that holds committed entries (its drafts stay pending)."""
+  _random_accepts(num_tokens, buffer_len)
+
+
+def test_verify_parity_random_accepts_reconstruct_route(reconstruct_route):
+  """The same on the reconstruct route (flush stored in the same program, after token 0)."""
+  _random_accepts(4, 8)
+
+
+def test_bad_verify_route():
+  with pytest.raises(ValueError, match="route"):
+    config_lib.mamba2_verify_config(device_kind="cpu", state_dtype=jnp.float32, head_dim=8, state_dim=16,
+                                    num_heads=4, num_groups=2, batch=4, buffer_len=8, num_tokens=2,
+                                    route="fused")
+
+
+def _random_accepts(num_tokens, buffer_len):
   twin = Twin(num_tokens=num_tokens, buffer_len=buffer_len, seed=num_tokens)
   rng = np.random.default_rng(10 * num_tokens + buffer_len)
   pending = 0
@@ -238,8 +262,12 @@ def _verify_inputs(t, h, g, p, n, batch=8):
     ("replay", 2, 8, "float32"), ("replay", 4, 16, "bfloat16"), ("replay", 8, 16, "float32"),
     ("replay", 8, 8, "bfloat16"), ("conventional", 2, 8, "float32"),
     ("conventional", 4, 16, "bfloat16"), ("conventional", 8, 16, "float32"),
+    ("reconstruct", 4, 16, "float32"), ("reconstruct", 8, 16, "bfloat16"),
 ])
-def test_lowers_for_h200(kernel, num_tokens, buffer_len, state_dtype):
+def test_lowers_for_h200(kernel, num_tokens, buffer_len, state_dtype, monkeypatch):
+  if kernel == "reconstruct":
+    real = config_lib.mamba2_verify_config
+    monkeypatch.setattr(config_lib, "mamba2_verify_config", lambda **kw: real(**{**kw, "route": "reconstruct"}))
   h, g, p, n = SUPER
   batch, num_slots = 8, 16
   slots = jnp.asarray(np.r_[np.arange(batch - 1), -1], jnp.int32)
@@ -247,7 +275,7 @@ def test_lowers_for_h200(kernel, num_tokens, buffer_len, state_dtype):
   step = _verify_inputs(num_tokens, h, g, p, n, batch)
   extra = dict(D=jnp.zeros((h,), jnp.float32), dt_bias=jnp.zeros((h,), jnp.float32),
                implementation="pallas_triton")
-  if kernel == "replay":
+  if kernel in ("replay", "reconstruct"):
     cursor = rs.ReplayCursor.create(num_slots, buffer_len=buffer_len, max_draft=num_tokens - 1)
     bufs = rs.mamba2.ReplayBuffers.create(num_slots, cursor, num_heads=h, head_dim=p,
                                           num_groups=g, state_dim=n, state_dtype=state_dtype,

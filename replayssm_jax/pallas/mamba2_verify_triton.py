@@ -16,6 +16,9 @@ calls), built from the pieces of pallas/mamba2_triton.py:
   (``plan.fold_length()`` entries) into the checkpoint in the same program (``mamba2_triton._fold``,
   the output-only step's fold). With T = 1 this is ``mamba2_triton.replay_decode``'s output-only
   route, operation for operation.
+  Reconstruct route (``route="reconstruct"``, grid (P/BP, H, B)): the checkpoint tile is replayed
+  through the window into registers (live entries only), stepped through the tokens like the
+  conventional verify, and stored after token 0 on flushing rows.
 * ``verify_conventional``: the baseline engines run without ReplaySSM. Grid (P/BP, H, B); a program
   reads its [BP, N] tile of ``stack[slot, read_index]``, steps it through the T tokens and writes
   the tile after token i to ``stack[slot, i]`` in place.
@@ -32,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -118,6 +122,50 @@ def _verify_kernel(*refs, names, group, heads, block_p, block_n, ring_size, toke
             ring_size=ring_size, softplus=softplus)
 
 
+def _reconstruct_kernel(*refs, names, group, block_p, ring_size, tokens, softplus):
+  """Reconstruct route, grid (P/BP, H, B): the [BP, N] checkpoint tile is brought through the
+  committed window by ``S ← e^{ΔA_w} S + Δx_w B_wᵀ`` (a loop over the live entries only), then
+  stepped through the tokens like the conventional verify; a flushing row stores the tile after
+  token 0 (window + token 0). No [R, BP] reductions and no T×T products."""
+  r = dict(zip(names, refs))
+  pt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = r["slots"][b]
+  tile = pl.ds(pt * block_p, block_p)
+  g = h // group
+
+  @pl.when(s < 0)
+  def _():
+    _zero_outputs(r, b, h, 1, tile, block_p, tokens)
+
+  @pl.when(s >= 0)
+  def _():
+    base, count, length = r["base"][b], r["count"][b], r["lengths"][b]
+
+    def replay(w, S):
+      at = (base + w) % ring_size
+      dx = r["ring_x"][s, h, at, tile].astype(f32)
+      Bw = r["ring_B"][s, g, at, :].astype(f32)
+      return jnp.exp(r["ring_a"][s, h, at].astype(f32)) * S + dx[:, None] * Bw[None, :]
+
+    S = lax.fori_loop(0, count, replay, r["state"][s, h, tile, :].astype(f32))    # [BP, N]
+    for i in range(tokens):
+      # Padded lanes form a suffix: what they compute (NaN inputs included) reaches only their
+      # own outputs, which are selected away, and no store.
+      real, put = length > i, (base + count + i) % ring_size
+      dA, dx = _token(r, (b, i), h, tile, softplus)
+      S, y = _decode_step(r, (b, i), g, S, dA, dx)
+      y = _finish(r, y, (b, i), h, tile)
+      r["y_out"][b, i, h, tile] = jnp.where(real, y, jnp.zeros((), y.dtype))
+      if i == 0:
+        @pl.when(r["flush"][b] != 0)   # checkpoint ← window + token 0; drafts are never folded
+        def _():
+          r["state_out"][s, h, tile, :] = S.astype(r["state_out"].dtype)
+      _store_if(r["ring_x_out"].at[s, h, put, tile], dx, real)
+      _store_if(r["ring_a_out"].at[s, h, put], dA, real & (pt == 0))
+      _store_if(r["ring_B_out"].at[s, g, put, :], r["B"][b, i, g, :].astype(f32),
+                real & (pt == 0) & (h % group == 0))
+
+
 def _conventional_kernel(*refs, names, group, block_p, tokens, softplus):
   r = dict(zip(names, refs))
   pt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -149,9 +197,16 @@ def _conventional_kernel(*refs, names, group, block_p, tokens, softplus):
 def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_softplus, cfg,
                    interpret):
   batch, t, h, p = x.shape
-  kernel = functools.partial(_verify_kernel, group=h // bufs.num_groups, heads=cfg.heads,
-                             block_p=cfg.block_p, block_n=cfg.block_n, ring_size=bufs.ring_size,
-                             tokens=t, softplus=dt_softplus)
+  step = cfg.step
+  if cfg.route == "reconstruct":
+    kernel = functools.partial(_reconstruct_kernel, group=h // bufs.num_groups, block_p=step.block_p,
+                               ring_size=bufs.ring_size, tokens=t, softplus=dt_softplus)
+    grid = (p // step.block_p, h, batch)
+  else:
+    kernel = functools.partial(_verify_kernel, group=h // bufs.num_groups, heads=step.heads,
+                               block_p=step.block_p, block_n=step.block_n, ring_size=bufs.ring_size,
+                               tokens=t, softplus=dt_softplus)
+    grid = (p // step.block_p, h // step.heads, batch)
   buffers = {"state": bufs.state, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
   out = _pallas(kernel,
                 {"slots": plan.slots, "base": plan.base, "count": plan.count,
@@ -159,8 +214,8 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
                  **_step_inputs(x, dt, A, B, C, D, z, dt_bias), **buffers},
                 {"y_out": x, **{k + "_out": v for k, v in buffers.items()}},
                 {k: k + "_out" for k in buffers},
-                grid=(p // cfg.block_p, h // cfg.heads, batch), cfg=cfg,
-                name="replayssm_mamba2_replay_verify", interpret=interpret)
+                grid=grid, cfg=step, name=f"replayssm_mamba2_replay_verify_{cfg.route}",
+                interpret=interpret)
   return out["y_out"], bufs.replace(**{k: out[k + "_out"] for k in buffers})
 
 
@@ -191,7 +246,7 @@ def _check_tokens(op, t):
 
 
 def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, D, z, dt_bias,
-                  dt_softplus, block_p=None, block_n=None, heads=None, num_warps=None,
+                  dt_softplus, route=None, block_p=None, block_n=None, heads=None, num_warps=None,
                   num_stages=None):
   """ReplaySSM Mamba2 verify of T = ``plan.num_tokens`` tokens per row, flush fold fused in.
 
@@ -200,6 +255,8 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
       z: [B, T, H, P] or None; dt_softplus: bool.
     bufs: mamba2.ReplayBuffers (aliased in place); plan: ReplayPlan with num_tokens = T.
     lengths: int32[B] real tokens per row in [1, T].
+    route: None (the config's), "output_only" or "reconstruct" (the window replayed into the
+      tile; one head per program).
     block_p (P rows per program), block_n (N chunk of the flush fold), heads (heads per program),
       num_warps, num_stages: config overrides.
 
@@ -213,9 +270,10 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
   cfg = config_lib.mamba2_verify_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_dim=p, state_dim=n,
       num_heads=h, num_groups=g, batch=x.shape[0], buffer_len=plan.buffer_len,
-      num_tokens=plan.num_tokens)
-  cfg = _fit(op, cfg, p, n, h // g, block_p=block_p, block_n=block_n, heads=heads,
-             num_warps=num_warps, num_stages=num_stages)
+      num_tokens=plan.num_tokens, route=route)
+  step = _fit(op, cfg.step, p, n, h // g, block_p=block_p, block_n=block_n, heads=heads,
+              num_warps=num_warps, num_stages=num_stages)
+  cfg = config_lib.Mamba2ReplayConfig(step=step, route=cfg.route)
   return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,
                         cfg=cfg, interpret=common.interpret_mode())
 
