@@ -95,10 +95,17 @@ def decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
 
 
 def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
-                  num_k_heads: int, batch: int, buffer_len: int, ring_size: int) -> ReplayConfig:
-  """Replay step, grid (V/BV, Hk, B), plus the fold pass, grid (V/BV · K/BK, Hv, fold_rows)."""
-  # Output-only never builds S: H200, B=256, L=16, f32: 0.219 ms vs 0.39 ms or more reconstructing.
-  route = "output_only"
+                  num_k_heads: int, batch: int, buffer_len: int, ring_size: int,
+                  route: str = "auto") -> ReplayConfig:
+  """Output-only: the replay step, grid (V/BV, Hk, B), plus the fold pass, grid
+  (V/BV · K/BK, Hv, fold_rows). Reconstruct: one launch, grid (V/BV, Hv, B), tile ``step``
+  [BV, K] (the verify kernel at T = 1; the fold fields are unused)."""
+  if route != "auto" and route not in ROUTES:
+    raise ValueError(f"route={route!r}; expected 'auto' or one of {ROUTES}")
+  # "auto": output-only. H200, B=256, L=16, f32: 0.219 ms vs 0.39 ms for the first reconstruct
+  # route (per-head tiles rebuilt by an IEEE dot over the ring, then a fold pass); the one-launch
+  # reconstruct route (window loop, flush stored in place) is untimed.
+  route = "output_only" if route == "auto" else route
   if _is_cpu(device_kind):
     # Interpret mode: speed is irrelevant; two V tiles and two K chunks make CPU tests cover the
     # multi-tile indexing.
@@ -117,6 +124,11 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   # Rows at staggered phases flush about B/L per step; twice that many row slots keeps one row
   # per fold program in steady state, and rows beyond (synchronised flushes) loop, never drop.
   fold_rows = min(batch, _next_pow2(-(-2 * batch // buffer_len)))
+  if route == "reconstruct":
+    # *unmeasured*: the conventional decode's [BV, K] tile (the kernel is that step plus a window
+    # replay into the tile).
+    step = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
+                         head_v_dim=head_v_dim, batch=batch).fit(head_v_dim, head_k_dim)
   return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim, head_k_dim),
                       fold_rows=fold_rows)
 
@@ -342,9 +354,6 @@ def mamba2_materialize_config(*, device_kind: str, head_dim: int, state_dim: int
 # guesses from the decode calibration until an H200 sweep of bench/verify_decode.py exists.
 
 
-VERIFY_ROUTES = ("output_only", "reconstruct")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifyConfig:
   """GDN verify. Route ``output_only``: the step kernel, grid (V/BV, Hk, B), which reads the
@@ -361,8 +370,8 @@ class VerifyConfig:
   route: str = "output_only"
 
   def __post_init__(self):
-    if self.route not in VERIFY_ROUTES:
-      raise ValueError(f"route={self.route!r}; expected one of {VERIFY_ROUTES}")
+    if self.route not in ROUTES:
+      raise ValueError(f"route={self.route!r}; expected one of {ROUTES}")
     if not isinstance(self.split, bool):
       raise ValueError(f"split={self.split!r}; expected a bool")
     if not isinstance(self.fold_rows, int) or self.fold_rows < 1:
@@ -430,8 +439,8 @@ def mamba2_verify_config(*, device_kind: str, state_dtype, head_dim: int, state_
   tile. ``route`` None: output-only (the reconstruct route is untimed)."""
   del buffer_len
   route = "output_only" if route is None else route
-  if route not in VERIFY_ROUTES:
-    raise ValueError(f"route={route!r}; expected None or one of {VERIFY_ROUTES}")
+  if route not in ROUTES:
+    raise ValueError(f"route={route!r}; expected None or one of {ROUTES}")
   if route == "reconstruct":
     # *unmeasured*: the conventional decode's tile (the kernel is that step plus a window replay).
     step = mamba2_decode_config(device_kind=device_kind, state_dtype=state_dtype,

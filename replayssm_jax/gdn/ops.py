@@ -101,7 +101,8 @@ def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", imp
     plan: ReplayPlan from ``cursor.plan(slots)``.
     scale: query scale, default K^-0.5.
     route: "output_only" (read S·q and S·k from the checkpoint and the ring, never build S),
-      "reconstruct" (rebuild S_{t-1} tile by tile) or "auto" (the config's choice).
+      "reconstruct" (replay the window into each state tile; the Pallas kernel also stores
+      flushing rows in the same launch) or "auto" (the config's choice).
     implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic"
       (output_only route only).
 

@@ -1,6 +1,6 @@
 """Gated DeltaNet decode kernels in Pallas with the Triton lowering (interpreted on CPU).
 
-Three kernels, each ``kernel → builder → public wrapper`` (the wrappers are what gdn/ops.py calls):
+Kernels, each ``kernel → builder → public wrapper`` (the wrappers are what gdn/ops.py calls):
 
 * ``decode``: the conventional step. Grid (B, Hv, V/BV); a program reads the [BV, K] state tile
   of its row's slot, steps it once and writes it back in place.
@@ -14,6 +14,10 @@ Three kernels, each ``kernel → builder → public wrapper`` (the wrappers are 
       rank-one FMAs and write it to the checkpoint; every other program exits at once.
   With ``plan.flush_all`` (every live row flushes: the small-batch policy) one fold-and-step
   kernel, grid (V/BV, Hv, B), replaces both passes: the conventional decode plus the window fold.
+  Route ``reconstruct``: one launch, grid (V/BV, Hv, B), shared with ``replay_verify``
+  (``reconstruct``, T tokens): the checkpoint tile is replayed through the window into registers
+  (``S ← e^{g_j} S + u_j k_jᵀ`` over the live entries), stepped by the delta rule, and stored on
+  flushing rows after token 0, so no fold pass follows.
 * ``materialize``: the fold kernel body again, writing every row's state to a fresh f32 output.
 
 Everything is float32 inside and matrix-vector products are multiply-and-reduce, never ``dot``
@@ -65,6 +69,17 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref,
     pool_out_ref[s, h, tile, :] = S.astype(pool_out_ref.dtype)
 
 
+def zero_tokens(o_ref, b, h, tile, num_tokens):
+  """A padding row's outputs o[b, i, h, tile] = 0 for its T tokens."""
+  for i in range(num_tokens):
+    o_ref[b, i, h, tile] = jnp.zeros((tile.size,), o_ref.dtype)
+
+
+def _scalar(ref, idx, live):
+  """A per-token scalar (g or β) as float32; 0 on a padded lane (a select: NaN cannot leak)."""
+  return jnp.where(live, ref[idx].astype(f32), 0.0)
+
+
 def _delta_rule_step(S, k, q, v, g, beta, scale):
   """One gated delta-rule step of a [BV, K] state tile in f32: u = β (v − α S k),
   S' = α S + u kᵀ, o = S' (scale·q). Returns (S', o, u)."""
@@ -112,6 +127,64 @@ def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_
         ring_size))
 
 
+def _reconstruct_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
+                        g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
+                        o_ref, state_out, ring_k_out, ring_u_out, ring_g_out,
+                        *, scale, group, block_v, ring_size, num_tokens):
+  """Reconstruct route of ``replay_decode`` (T = 1) and ``replay_verify``, grid (V/BV, Hv, B): one
+  launch for the whole step. Inputs are [B, T, ...] as in verify.
+
+  The [BV, K] checkpoint tile is brought through the committed window by the recurrence
+  ``S ← e^{g_j} S + u_j k_jᵀ`` (the ring holds corrected values u, so the window needs no delta
+  rule: ``count`` rank-one FMAs, a loop over the live entries only), then stepped through the T
+  tokens by the delta rule, writing o_i and appending (k_i, u_i, g_i). A flushing row stores the
+  tile after token 0 (window + token 0: the fold, without a second pass over the batch).
+  No reductions beyond the 2T of the delta rule itself.
+  """
+  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = slots_ref[b]
+  tile = pl.ds(vt * block_v, block_v)
+  pl.when(s < 0)(lambda: zero_tokens(o_ref, b, h, tile, num_tokens))
+
+  @pl.when(s >= 0)
+  def _():
+    hk, base, count, n = h // group, base_ref[b], count_ref[b], lengths_ref[b]
+
+    def replay(j, S):
+      at = (base + j) % ring_size
+      u = ring_u_ref[s, h, at, tile].astype(f32)
+      kj = ring_k_ref[s, hk, at, :].astype(f32)
+      return jnp.exp(ring_g_ref[s, h, at].astype(f32)) * S + u[:, None] * kj[None, :]
+
+    S = lax.fori_loop(0, count, replay, state_ref[s, h, tile, :].astype(f32))     # [BV, K]
+    for i in range(num_tokens):
+      live, at = n > i, jnp.int32(i)   # an array index for the masked loads (interpret mode)
+      put = (base + count + i) % ring_size
+      k = common.load_entry(k_ref.at[b, at, hk, :], live).astype(f32)
+      g = _scalar(g_ref, (b, i, h), live)      # padded lane: g = β = 0, so S is unchanged
+      S, o, u = _delta_rule_step(
+          S, k, common.load_entry(q_ref.at[b, at, hk, :], live),
+          common.load_entry(v_ref.at[b, at, h, tile], live), g, _scalar(beta_ref, (b, i, h), live),
+          scale)
+      o_ref[b, i, h, tile] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
+      if i == 0:
+        @pl.when(flush_ref[b] != 0)
+        def _():
+          state_out[s, h, tile, :] = S.astype(state_out.dtype)
+
+      @pl.when(live)
+      def _():
+        ring_u_out[s, h, put, tile] = u.astype(ring_u_out.dtype)
+
+        @pl.when(vt == 0)  # g is per head, k per key head: one program appends each
+        def _():
+          ring_g_out[s, h, put] = g
+
+          @pl.when(h % group == 0)
+          def _():
+            ring_k_out[s, hk, put, :] = k.astype(ring_k_out.dtype)
+
+
 def _accumulate_window(S, weights, inside, k_at, u_at, ring_size):
   """S + Σ_p w_p u_p k_pᵀ over the ring positions p inside the window, in float32.
 
@@ -147,7 +220,8 @@ def _sum_chunks(parts):
 def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                         state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
                         o_ref, ring_k_out, ring_u_out, ring_g_out,
-                        *, scale, group, block_v, block_k, ring_size, route):
+                        *, scale, group, block_v, block_k, ring_size):
+  """Output-only step: S_{t-1} x = e^G (S_c x) + Σ_j w_j (k_j·x) u_j for x ∈ {k, q}, never building S."""
   vt, hk, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = slots_ref[b]
   tile = pl.ds(vt * block_v, block_v)
@@ -167,35 +241,25 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
     qs = [q_ref[b, hk, c].astype(f32) * scale for c in chunks]
     kq = _sum_chunks(jnp.sum(kc * qc) for kc, qc in zip(ks, qs))
     _, inside = window_offsets((ring_size,), base, count, ring_size)
-    if route == "output_only":
-      # Key ring read once per key head: (k_j·k) and (k_j·q) serve all r value heads.
-      rk = [common.load_window(ring_k_ref.at[s, hk, :, c], inside) for c in chunks]   # [R, block_k]
-      rkk = _sum_chunks(jnp.sum(r * kc[None, :], axis=1) for r, kc in zip(rk, ks))
-      rkq = _sum_chunks(jnp.sum(r * qc[None, :], axis=1) for r, qc in zip(rk, qs))
+    # Key ring read once per key head: (k_j·k) and (k_j·q) serve all r value heads.
+    rk = [common.load_window(ring_k_ref.at[s, hk, :, c], inside) for c in chunks]   # [R, block_k]
+    rkk = _sum_chunks(jnp.sum(r * kc[None, :], axis=1) for r, kc in zip(rk, ks))
+    rkq = _sum_chunks(jnp.sum(r * qc[None, :], axis=1) for r, qc in zip(rk, qs))
     gs = []
     for i in range(group):
       h = hk * group + i
       rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
       w, total = window_decays(rg, base, count, ring_size)
       decay = jnp.exp(total)
-      if route == "output_only":
-        # S x = e^G (S_c x) + Σ_j w_j (k_j·x) u_j, never building S.
-        Sck, Scq = 0.0, 0.0
-        for c, kc, qc in zip(chunks, ks, qs):
-          Sc = state_ref[s, h, tile, c].astype(f32)               # [BV, block_k]
-          Sck = Sck + jnp.sum(Sc * kc[None, :], axis=1)
-          Scq = Scq + jnp.sum(Sc * qc[None, :], axis=1)
-        ru = common.load_window(ring_u_ref.at[s, h, :, tile], inside)   # [R, BV]
-        Sk = decay * Sck + jnp.sum((w * rkk)[:, None] * ru, axis=0)
-        Sq = decay * Scq + jnp.sum((w * rkq)[:, None] * ru, axis=0)
-      else:
-        # Reconstruct S_{t-1} (the wrapper keeps block_k = K on this route).
-        (k,), (q,) = ks, qs
-        S = _accumulate_window(decay * state_ref[s, h, tile, :].astype(f32), w, inside,
-                               lambda rows: ring_k_ref.at[s, hk, rows, :],
-                               lambda rows, h=h: ring_u_ref.at[s, h, rows, tile], ring_size)
-        Sk = jnp.sum(S * k[None, :], axis=1)
-        Sq = jnp.sum(S * q[None, :], axis=1)
+      # S x = e^G (S_c x) + Σ_j w_j (k_j·x) u_j, never building S.
+      Sck, Scq = 0.0, 0.0
+      for c, kc, qc in zip(chunks, ks, qs):
+        Sc = state_ref[s, h, tile, c].astype(f32)                 # [BV, block_k]
+        Sck = Sck + jnp.sum(Sc * kc[None, :], axis=1)
+        Scq = Scq + jnp.sum(Sc * qc[None, :], axis=1)
+      ru = common.load_window(ring_u_ref.at[s, h, :, tile], inside)   # [R, BV]
+      Sk = decay * Sck + jnp.sum((w * rkk)[:, None] * ru, axis=0)
+      Sq = decay * Scq + jnp.sum((w * rkq)[:, None] * ru, axis=0)
       g = g_ref[b, h].astype(f32)
       alpha = jnp.exp(g)
       u = beta_ref[b, h].astype(f32) * (v_ref[b, h, tile].astype(f32) - alpha * Sk)
@@ -300,14 +364,18 @@ def _fold(bufs, slots, base, length, rows, num_rows, *, cfg, row_slots, interpre
   return out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "route", "cfg", "interpret"))
-def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, route, cfg, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
+def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
   batch, hk = q.shape[:2]
   hv, vd = bufs.num_v_heads, bufs.head_v_dim
   step = cfg.step
-  block_k = bufs.head_k_dim if route == "reconstruct" else step.block_k
+  if cfg.route == "reconstruct":
+    # The verify kernel at T = 1: one launch, flushing rows stored in place (no fold pass).
+    o, bufs = reconstruct(*(x[:, None] for x in (q, k, v, g, beta)), bufs, plan,
+                          jnp.ones((batch,), jnp.int32), scale=scale, cfg=step, interpret=interpret)
+    return o[:, 0], bufs
   kernel = functools.partial(_replay_step_kernel, scale=scale, group=hv // hk, block_v=step.block_v,
-                             block_k=block_k, ring_size=bufs.ring_size, route=route)
+                             block_k=step.block_k, ring_size=bufs.ring_size)
   o, ring_k, ring_u, ring_g = _pallas(
       kernel, (plan.slots, plan.base, plan.count, q, k, v, g, beta,
                bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
@@ -333,6 +401,25 @@ def _flush_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
                  jax.ShapeDtypeStruct(bufs.state.shape, bufs.state.dtype)],
       aliases={8: 1}, cfg=cfg, name="replayssm_gdn_flush_decode", interpret=interpret)
   return o, bufs.replace(state=state)
+
+
+def reconstruct(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret):
+  """The reconstruct route's launch (``_reconstruct_kernel``): q, k [B, T, Hk, K]; v [B, T, Hv, V];
+  g, beta [B, T, Hv]; lengths int32[B]; cfg the [BV, K] tile. Returns (o [B, T, Hv, V], bufs)."""
+  batch, t, hk = q.shape[:3]
+  hv, vd = bufs.num_v_heads, bufs.head_v_dim
+  kernel = functools.partial(_reconstruct_kernel, scale=scale, group=hv // hk, block_v=cfg.block_v,
+                             ring_size=bufs.ring_size, num_tokens=t)
+  o, state, ring_k, ring_u, ring_g = _pallas(
+      kernel, (plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, q, k, v,
+               g, beta, bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
+      grid=(vd // cfg.block_v, hv, batch),
+      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
+      + [jax.ShapeDtypeStruct(x.shape, x.dtype)
+         for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)],
+      aliases={10: 1, 11: 2, 12: 3, 13: 4}, cfg=cfg, name="replayssm_gdn_reconstruct",
+      interpret=interpret)
+  return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
 
 
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
@@ -378,14 +465,14 @@ def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None, num_warps=None
                  interpret=common.interpret_mode())
 
 
-def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, block_v=None, block_k=None,
-                num_warps=None, num_stages=None, fold_block_v=None, fold_block_k=None,
-                fold_num_warps=None, fold_rows=None):
+def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, route="auto", block_v=None,
+                block_k=None, num_warps=None, num_stages=None, fold_block_v=None,
+                fold_block_k=None, fold_num_warps=None, fold_rows=None):
   common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
   cfg = config_lib.replay_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_k_dim=bufs.head_k_dim,
       head_v_dim=bufs.head_v_dim, num_k_heads=bufs.num_k_heads, batch=batch, buffer_len=buffer_len,
-      ring_size=bufs.ring_size)
+      ring_size=bufs.ring_size, route=route)
   kd, vd = bufs.head_k_dim, bufs.head_v_dim
   step = _knobs(op, cfg.step, vd, kd, block_v=block_v, block_k=block_k, num_warps=num_warps,
                 num_stages=num_stages)
@@ -421,12 +508,11 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
                  num_stages=num_stages)
     return _flush_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,
                          interpret=common.interpret_mode())
-  cfg = _replay_cfg(op, bufs, q.shape[0], plan.buffer_len, block_v=block_v, block_k=block_k,
-                    num_warps=num_warps,
-                    num_stages=num_stages, fold_block_v=fold_block_v, fold_block_k=fold_block_k,
+  cfg = _replay_cfg(op, bufs, q.shape[0], plan.buffer_len, route=route, block_v=block_v,
+                    block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                    fold_block_v=fold_block_v, fold_block_k=fold_block_k,
                     fold_num_warps=fold_num_warps, fold_rows=fold_rows)
-  return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale),
-                        route=cfg.route if route == "auto" else route, cfg=cfg,
+  return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,
                         interpret=common.interpret_mode())
 
 

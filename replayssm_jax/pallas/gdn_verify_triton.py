@@ -48,7 +48,6 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -61,11 +60,7 @@ from replayssm_jax.replay import window_decays, window_offsets
 
 f32 = jnp.float32
 _sum_chunks = gdn_triton._sum_chunks
-
-
-def _scalar(ref, idx, live):
-  """A per-token scalar (g or β) as float32; 0 on a padded lane (a select: NaN cannot leak)."""
-  return jnp.where(live, ref[idx].astype(f32), 0.0)
+_scalar = gdn_triton._scalar
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,77 +174,12 @@ def _verify_step_kernel(slots_ref, base_ref, count_ref, lengths_ref, q_ref, k_re
           ring_g_out[s, hk * group + r, put[i]] = g[i]
 
 
-def _reconstruct_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
-                        g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
-                        o_ref, state_out, ring_k_out, ring_u_out, ring_g_out,
-                        *, scale, group, block_v, ring_size, num_tokens):
-  """Reconstruct route, grid (V/BV, Hv, B), one launch for the whole verify step.
-
-  The [BV, K] checkpoint tile is brought through the committed window by the recurrence
-  ``S ← e^{g_j} S + u_j k_jᵀ`` (the ring holds corrected values u, so the window needs no delta
-  rule: ``count`` rank-one FMAs, a loop over the live entries only), then stepped through the T
-  tokens by the delta rule, writing o_i and appending (k_i, u_i, g_i). A flushing row stores the
-  tile after token 0 (window + token 0: the fold, without a second pass over the batch).
-  No reductions beyond the 2T of the delta rule itself.
-  """
-  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  s = slots_ref[b]
-  tile = pl.ds(vt * block_v, block_v)
-
-  @pl.when(s < 0)
-  def _():
-    for i in range(num_tokens):
-      o_ref[b, i, h, tile] = jnp.zeros((block_v,), o_ref.dtype)
-
-  @pl.when(s >= 0)
-  def _():
-    hk, base, count, n = h // group, base_ref[b], count_ref[b], lengths_ref[b]
-
-    def replay(j, S):
-      at = (base + j) % ring_size
-      u = ring_u_ref[s, h, at, tile].astype(f32)
-      kj = ring_k_ref[s, hk, at, :].astype(f32)
-      return jnp.exp(ring_g_ref[s, h, at].astype(f32)) * S + u[:, None] * kj[None, :]
-
-    S = lax.fori_loop(0, count, replay, state_ref[s, h, tile, :].astype(f32))     # [BV, K]
-    for i in range(num_tokens):
-      live, at = n > i, jnp.int32(i)   # an array index for the masked loads (interpret mode)
-      put = (base + count + i) % ring_size
-      k = common.load_entry(k_ref.at[b, at, hk, :], live).astype(f32)
-      g = _scalar(g_ref, (b, i, h), live)      # padded lane: g = β = 0, so S is unchanged
-      S, o, u = gdn_triton._delta_rule_step(
-          S, k, common.load_entry(q_ref.at[b, at, hk, :], live),
-          common.load_entry(v_ref.at[b, at, h, tile], live), g, _scalar(beta_ref, (b, i, h), live),
-          scale)
-      o_ref[b, i, h, tile] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
-      if i == 0:
-        @pl.when(flush_ref[b] != 0)
-        def _():
-          state_out[s, h, tile, :] = S.astype(state_out.dtype)
-
-      @pl.when(live)
-      def _():
-        ring_u_out[s, h, put, tile] = u.astype(ring_u_out.dtype)
-
-        @pl.when(vt == 0)  # g is per head, k per key head: one program appends each
-        def _():
-          ring_g_out[s, h, put] = g
-
-          @pl.when(h % group == 0)
-          def _():
-            ring_k_out[s, hk, put, :] = k.astype(ring_k_out.dtype)
-
-
 def _conventional_kernel(slots_ref, read_ref, lengths_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                          stack_ref, o_ref, stack_out, *, scale, group, block_v, num_tokens):
   vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = slots_ref[b]
   tile = pl.ds(vt * block_v, block_v)
-
-  @pl.when(s < 0)
-  def _():
-    for i in range(num_tokens):
-      o_ref[b, i, h, tile] = jnp.zeros((block_v,), o_ref.dtype)
+  pl.when(s < 0)(lambda: gdn_triton.zero_tokens(o_ref, b, h, tile, num_tokens))
 
   @pl.when(s >= 0)
   def _():
@@ -293,18 +223,8 @@ def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpr
   hv, vd = bufs.num_v_heads, bufs.head_v_dim
   step = cfg.step
   if cfg.route == "reconstruct":
-    kernel = functools.partial(_reconstruct_kernel, scale=scale, group=hv // hk,
-                               block_v=step.block_v, ring_size=bufs.ring_size, num_tokens=t)
-    o, state, ring_k, ring_u, ring_g = gdn_triton._pallas(
-        kernel, (plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, q, k, v,
-                 g, beta, bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
-        grid=(vd // step.block_v, hv, batch),
-        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
-        + [jax.ShapeDtypeStruct(x.shape, x.dtype)
-           for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)],
-        aliases={10: 1, 11: 2, 12: 3, 13: 4}, cfg=step, name="replayssm_gdn_verify_reconstruct",
-        interpret=interpret)
-    return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+    return gdn_triton.reconstruct(q, k, v, g, beta, bufs, plan, lengths, scale=scale, cfg=step,
+                                  interpret=interpret)
   source = _readout(q, k, bufs.state, plan.slots, lengths, scale=scale, cfg=cfg.readout,
                     interpret=interpret) if cfg.split else bufs.state
   kernel = functools.partial(_verify_step_kernel, scale=scale, group=hv // hk, block_v=step.block_v,
@@ -344,8 +264,8 @@ def verify_cfg(op, bufs: ReplayBuffers, plan: ReplayPlan, batch, *, route=None, 
                fold_rows=None) -> config_lib.VerifyConfig:
   """The config's VerifyConfig for this shape with the keyword overrides applied."""
   common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
-  if route is not None and route not in config_lib.VERIFY_ROUTES:
-    raise ValueError(f"route={route!r}; expected None or one of {config_lib.VERIFY_ROUTES}")
+  if route is not None and route not in config_lib.ROUTES:
+    raise ValueError(f"route={route!r}; expected None or one of {config_lib.ROUTES}")
   kd, vd = bufs.head_k_dim, bufs.head_v_dim
   cfg = config_lib.verify_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_k_dim=kd, head_v_dim=vd,
