@@ -7,8 +7,12 @@ weights, bf16 parameters and ring, float32 state. For each batch size B the deco
 flush cycles of L steps, cache donated); rows start at staggered cursor phases (row b has b mod
 (L-1) pending zero entries, an exact state), so every step has a mix of flushing and non-flushing
 rows. ``bench.common.time_loop`` warms up, calibrates and reports the median / p20 / p80 per step.
+``--stack mamba2`` / ``hybrid`` replaces every / every other mixer by a Mamba2 mixer of
+mamba2-2.7b's shape (H 80, P 64, G 1, N 128). Modes: conventional, replay (the library's default,
+including the small-batch policy) and, where the policy is on, replay without it.
 
     python -m bench.model_decode                      # GPU: B = 1, 32, 128, 256
+    python -m bench.model_decode --stack hybrid --batches 8,32,256
     python -m bench.model_decode --smoke              # CPU: tiny stack, B = 1, 4
 """
 import argparse
@@ -27,6 +31,20 @@ QWEN35_4B_LIKE = dict(vocab_size=32768, hidden_size=2560, num_layers=8, num_k_he
                       head_k_dim=128, head_v_dim=128, intermediate_size=9216, max_prompt_len=16)
 SMOKE = dict(vocab_size=256, hidden_size=64, num_layers=2, num_k_heads=2, num_v_heads=4, head_k_dim=16,
              head_v_dim=16, intermediate_size=128, max_prompt_len=16)
+# Mamba2 mixers of mamba2-2.7b's shape (H 80, P 64, G 1, N 128 at hidden 2560) in the same stack.
+MAMBA2_HEADS = dict(mamba2_num_heads=80, mamba2_head_dim=64, mamba2_num_groups=1, mamba2_state_dim=128)
+SMOKE_MAMBA2_HEADS = dict(mamba2_num_heads=8, mamba2_head_dim=16, mamba2_num_groups=2, mamba2_state_dim=16)
+STACKS = ("gdn", "mamba2", "hybrid")
+
+
+def stack_geometry(stack: str, smoke: bool) -> dict:
+  """The benchmark LM: every mixer GatedDeltaNet ("gdn"), Mamba2, or alternating ("hybrid")."""
+  geometry = dict(SMOKE if smoke else QWEN35_4B_LIKE)
+  if stack == "gdn":
+    return geometry
+  n = geometry["num_layers"]
+  types = ("mamba2",) * n if stack == "mamba2" else tuple(("gdn", "mamba2")[i % 2] for i in range(n))
+  return dict(geometry, layer_types=types, **(SMOKE_MAMBA2_HEADS if smoke else MAMBA2_HEADS))
 
 
 def _loop(graphdef, *, replay, buffer_len, implementation, flush_all):
@@ -79,6 +97,8 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(prog="python -m bench.model_decode", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny stack for CPU")
+  parser.add_argument("--stack", choices=STACKS, default="gdn",
+                      help="mixers: all GatedDeltaNet, all Mamba2 (mamba2-2.7b heads) or alternating")
   parser.add_argument("--batches", default=None, help="comma-separated batch sizes")
   parser.add_argument("--buffer-len", type=int, default=16)
   parser.add_argument("--reps", type=int, default=None)
@@ -87,7 +107,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--out-json", default=None)
   parser.add_argument("--markdown", default=None, help="write the table to this markdown file")
   args = parser.parse_args(argv)
-  geometry = SMOKE if args.smoke else QWEN35_4B_LIKE
+  geometry = stack_geometry(args.stack, args.smoke)
   batches = [int(b) for b in (args.batches or ("1,4" if args.smoke else "1,32,128,256")).split(",")]
   reps = args.reps or (5 if args.smoke else 7)
   rep_seconds = args.rep_seconds if args.rep_seconds is not None else (0.02 if args.smoke else 0.5)
@@ -113,11 +133,11 @@ def main(argv=None) -> dict:
                               markdown=True)
   print(table)
   result = {"meta": common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.model_decode"),
-            "geometry": geometry, "dtype": jnp.dtype(dtype).name, "rows": rows}
+            "stack": args.stack, "geometry": geometry, "dtype": jnp.dtype(dtype).name, "rows": rows}
   if args.out_json:
     pathlib.Path(args.out_json).write_text(json.dumps(common.to_jsonable(result), indent=1))
   if args.markdown:
-    pathlib.Path(args.markdown).write_text("## Model decode (Qwen3.5-4B-like GDN stack)\n\n" + table + "\n")
+    pathlib.Path(args.markdown).write_text(f"## Model decode ({args.stack} stack)\n\n" + table + "\n")
   return result
 
 

@@ -166,6 +166,19 @@ def test_model_decode_smoke(tmp_path):
   assert "| replay |" in md.read_text()
 
 
+def test_model_decode_stacks():
+  """--stack: every mixer GDN, Mamba2 (mamba2-2.7b heads) or alternating; each a valid LMConfig."""
+  from bench import model_decode  # noqa: PLC0415
+  from replayssm_jax.models import LMConfig  # noqa: PLC0415
+  for smoke in (True, False):
+    types = {stack: LMConfig(**model_decode.stack_geometry(stack, smoke)).layer_types
+             for stack in model_decode.STACKS}
+    n = len(types["gdn"])
+    assert types["gdn"] == ("gdn",) * n and types["mamba2"] == ("mamba2",) * n
+    assert types["hybrid"][:2] == ("gdn", "mamba2") and len(types["hybrid"]) == n
+  assert model_decode.stack_geometry("mamba2", False)["mamba2_num_heads"] == 80
+
+
 @pytest.mark.slow
 def test_verify_decode_smoke(tmp_path):
   """``python -m bench.verify_decode --smoke``: all four GDN arms, honest steps, gate, speedups, memory."""
