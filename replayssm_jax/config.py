@@ -300,9 +300,10 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
     # 0.84x / 0.80x), 1.32x / 1.17x at B = 128 (output-only 1.09x / 1.17x), 1.23x / 1.11x at
     # B = 256 (output-only 1.13x / 1.12x): its grid has one head per program, 4x the programs of
     # output-only, and the rebuild's rank-one FMAs need no reductions. At L = 16 output-only wins
-    # everywhere (B = 256: 1.17x vs 0.40x). bf16 state: only output-only has been timed at small B.
+    # everywhere (B = 256: 1.17x vs 0.40x), and at B = 1 (L = 4: 0.89x vs 0.77x). bf16 state:
+    # only output-only has been timed at small B.
     window_cheap = buffer_len <= 4 or (buffer_len <= 8 and batch <= 128)
-    small = _is_f32(state_dtype) and window_cheap and not _is_cpu(device_kind)
+    small = _is_f32(state_dtype) and window_cheap and batch >= 8 and not _is_cpu(device_kind)
     route = "reconstruct" if small else "output_only"
   group = num_heads // num_groups
   if _is_cpu(device_kind):

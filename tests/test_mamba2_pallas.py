@@ -239,14 +239,15 @@ def test_replay_route_auto_matches_output_only():
 
 
 def test_auto_route_rule_on_the_h200():
-  """The measured route rule: reconstruct for f32 state at L <= 4, and up to B = 128 at L = 8;
-  output-only otherwise."""
+  """The measured route rule: reconstruct for f32 state from B = 8 at L <= 4, and up to B = 128 at
+  L = 8; output-only otherwise."""
   from replayssm_jax import config  # noqa: PLC0415
   route = lambda dtype, batch, buffer_len: config.mamba2_replay_config(
       device_kind="NVIDIA H200", state_dtype=dtype, head_dim=64, state_dim=128, num_heads=128,
       num_groups=8, batch=batch, buffer_len=buffer_len).route
   assert route(jnp.float32, 32, 8) == route(jnp.float32, 128, 4) == "reconstruct"
-  assert route(jnp.float32, 256, 4) == "reconstruct"
+  assert route(jnp.float32, 256, 4) == route(jnp.float32, 8, 4) == "reconstruct"
+  assert route(jnp.float32, 1, 4) == "output_only"
   assert route(jnp.float32, 256, 8) == route(jnp.float32, 32, 16) == "output_only"
   assert route(jnp.bfloat16, 32, 8) == "output_only"
   assert config.mamba2_replay_config(device_kind="NVIDIA H200", state_dtype=jnp.float32, head_dim=64,
