@@ -33,6 +33,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 
 import replayssm_jax as rs
 
@@ -71,10 +72,9 @@ def load_results(paths):
       continue
     meta = data.get("meta", {})
     ceiling = (data.get("ceiling") or {}).get("gbps")
-    fam = pathlib.Path(path).stem.split("_")[0]
     for r in timed:
-      r.setdefault("family_name", fam)
       r["source"] = pathlib.Path(path).stem
+      r.setdefault("label", r.get("arm") or r.get("mode"))   # model_decode rows name a mode
       r["ceiling_gbps"] = ceiling
     files.append({"file": pathlib.Path(path).name, "meta": meta, "ceiling": ceiling, "rows": len(timed)})
     rows += timed
@@ -142,36 +142,38 @@ def no_data(ax, what):
 # ## Speed-up vs batch and vs L
 #
 # `speedup_vs_conv` = conventional kernel time / replay time, same state dtype, same run; only rows
-# whose correctness gate passed have one. Above 1 is faster.
+# whose correctness gate passed have one. Above 1 is faster. Each line is one run (result file):
+# kernels change between runs, so rows of different runs are never joined into one line.
 
 # %%
 sp = ok_rows(lambda r: r.get("speedup_vs_conv") and not r.get("num_tokens", 1) > 1)
-fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+fig, axes = plt.subplots(1, 2, figsize=(14, 9))
 ax = axes[0]
 if sp:
-  for (fam, arm, dt, L), g in sorted(group_by(sp, ["family_name", "label", "state_dtype", "buffer_len"]).items(),
+  for (src, arm, dt, L), g in sorted(group_by(sp, ["source", "label", "state_dtype", "buffer_len"]).items(),
                                      key=lambda kv: str(kv[0])):
     g = sorted(g, key=lambda r: r["batch"])
     if len(g) > 1 and L == 16:
-      ax.plot([r["batch"] for r in g], [r["speedup_vs_conv"] for r in g], "o-", label=f"{fam} {arm} {short(dt)}")
+      ax.plot([r["batch"] for r in g], [r["speedup_vs_conv"] for r in g], "o-", label=f"{src}: {arm} {short(dt)}")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set(xscale="log", xlabel="batch (rows)", ylabel="speed-up vs conventional (x)", title="Speed-up vs batch (L = 16)")
-  ax.legend(fontsize=7)
+  ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
 else:
   no_data(axes[0], "replay rows with a speed-up")
 ax = axes[1]
 if sp:
   b_show = sorted({r["batch"] for r in sp})[-2:]
-  for (fam, arm, dt, b), g in sorted(group_by(sp, ["family_name", "label", "state_dtype", "batch"]).items(),
+  for (src, arm, dt, b), g in sorted(group_by(sp, ["source", "label", "state_dtype", "batch"]).items(),
                                      key=lambda kv: str(kv[0])):
     g = sorted(g, key=lambda r: r["buffer_len"])
     if len(g) > 1 and b in b_show and "oo" in str(arm):
-      ax.plot([r["buffer_len"] for r in g], [r["speedup_vs_conv"] for r in g], "o-", label=f"{fam} {arm} {short(dt)} B={b}")
+      ax.plot([r["buffer_len"] for r in g], [r["speedup_vs_conv"] for r in g], "o-", label=f"{src}: {arm} {short(dt)} B={b}")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set(xscale="log", xlabel="buffer length L (steps per flush)", ylabel="speed-up vs conventional (x)",
          title="Speed-up vs L")
-  ax.set_xticks([8, 16, 32], ["8", "16", "32"])
-  ax.legend(fontsize=7)
+  ax.set_xticks([4, 8, 16, 32], ["4", "8", "16", "32"])
+  ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
 else:
   no_data(axes[1], "replay rows with a speed-up")
 fig.tight_layout()
@@ -187,11 +189,11 @@ plt.show()
 ver = ok_rows(lambda r: (r.get("num_tokens") or r.get("T") or 1) > 1 and r.get("speedup_vs_conv"))
 fig, ax = plt.subplots(figsize=(6, 4))
 if ver:
-  for (fam, arm, dt, b), g in sorted(group_by(ver, ["family_name", "label", "state_dtype", "batch"]).items(),
+  for (src, arm, dt, b), g in sorted(group_by(ver, ["source", "label", "state_dtype", "batch"]).items(),
                                      key=lambda kv: str(kv[0])):
     g = sorted(g, key=lambda r: r.get("num_tokens") or r.get("T"))
     ax.plot([r.get("num_tokens") or r.get("T") for r in g], [r["speedup_vs_conv"] for r in g], "o-",
-            label=f"{fam} {arm} {short(dt)} B={b}")
+            label=f"{src}: {arm} {short(dt)} B={b}")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set(xlabel="tokens per verify step T", ylabel="speed-up vs conventional speculative (x)",
          title="Speed-up vs T")
@@ -211,10 +213,10 @@ plt.show()
 bw = ok_rows(lambda r: r.get("eff_gbps") and r.get("buffer_len") in (None, 16) and r.get("num_tokens", 1) in (None, 1))
 fig, ax = plt.subplots(figsize=(7, 4))
 if bw:
-  for (fam, arm, dt), g in sorted(group_by(bw, ["family_name", "label", "state_dtype"]).items(), key=lambda kv: str(kv[0])):
+  for (src, arm, dt), g in sorted(group_by(bw, ["source", "label", "state_dtype"]).items(), key=lambda kv: str(kv[0])):
     g = sorted(g, key=lambda r: r["batch"])
     if len(g) > 1:
-      ax.plot([r["batch"] for r in g], [r["eff_gbps"] for r in g], "o-", label=f"{fam} {arm} {short(dt)}")
+      ax.plot([r["batch"] for r in g], [r["eff_gbps"] for r in g], "o-", label=f"{src}: {arm} {short(dt)}")
   ceil = [r["ceiling_gbps"] for r in bw if r.get("ceiling_gbps")]
   if ceil:
     ax.axhline(max(ceil), color="k", ls="--", lw=1, label=f"copy ceiling {max(ceil):.0f} GB/s")
