@@ -503,7 +503,13 @@ def run_group(bench: LayerBench, sdt, B, cases, args, bar) -> list[dict]:
   for case in cases:
     s, ref = case.setup, _ref_key(case)
     if s not in abstract:
-      abstract[s] = abstract_state(bench, s)
+      try:
+        abstract[s] = abstract_state(bench, s)
+      except Exception as e:  # noqa: BLE001  (e.g. buffers too large: recorded per arm, the run goes on)
+        abstract[s] = e
+    if isinstance(abstract[s], Exception):
+      errors[("run", case)] = abstract[s]
+      continue
     if ref not in lowered and ref not in errors:
       try:
         lowered[ref] = jax.jit(make_gate(bench, Case(_ref_arm(case.arm), _DEFAULT, s))).lower(*abstract[s])

@@ -166,6 +166,20 @@ def test_model_decode_smoke(tmp_path):
   assert "| replay |" in md.read_text()
 
 
+def test_a_group_that_cannot_be_set_up_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+  """Buffers that cannot be built for a group (e.g. past the random generator's index range) give
+  error rows; the run still writes its results."""
+  from bench import harness  # noqa: PLC0415
+
+  def refuse(bench, setup):
+    raise ValueError("too many elements for this test")
+  monkeypatch.setattr(harness, "abstract_state", refuse)
+  out = tmp_path / "r.json"
+  gdn_decode.main(["--smoke", "--arms", "conv-xla,replay-xla", "--out-json", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert rows and all(r["status"] == "error" and "too many elements" in r["error"] for r in rows)
+
+
 def test_model_decode_stacks():
   """--stack: every mixer GDN, Mamba2 (mamba2-2.7b heads) or alternating; each a valid LMConfig."""
   from bench import model_decode  # noqa: PLC0415
