@@ -159,7 +159,7 @@ SMALL_BATCH_FAMILIES = ("gdn", "mamba2")
 def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int, family: str = "gdn") -> int:
   """Below this batch a model flushes every step (``cursor.plan(flush_all=True)``): replay's ring
   work costs more than the state traffic it saves, so each step is one conventional-like pass
-  (the fold-and-step kernels of both families run at 0.97-1.00x of conventional decode)."""
+  (the fold-and-step kernels of both families run at 0.94-1.01x of conventional decode)."""
   if family not in SMALL_BATCH_FAMILIES:
     raise ValueError(f"family={family!r}; expected one of {SMALL_BATCH_FAMILIES}")
   if _is_cpu(device_kind):
@@ -176,7 +176,7 @@ def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int, family: 
     return 32 if _is_f32(state_dtype) else 128
   # Mamba2, H200 2026-11-29, Nemotron-3-Super layer, bf16 ring, vs conv-pallas in the same run;
   # flush-every-step 0.96-1.00x at B = 1-128 (both dtypes, L = 8).
-  # f32 state, L <= 8 (the auto route: reconstruct up to B = 128): replay 0.76x / 0.98x / 1.09x /
+  # f32 state, L <= 8 (the auto route: reconstruct for B = 8-128): replay 0.76x / 0.98x / 1.09x /
   # 1.17x at B = 1 / 8 / 32 / 128 (L = 8) → below 32. L = 16: replay loses up to B = 128 (best
   # route 0.90x) and wins at 256 (1.17x) → below 256.
   # bf16 state (output-only, L = 8): replay 0.72x / 0.44x / 0.63x / 0.95x at B = 1 / 8 / 32 / 128,
