@@ -102,9 +102,9 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   [BV, K] (the verify kernel at T = 1; the fold fields are unused)."""
   if route != "auto" and route not in ROUTES:
     raise ValueError(f"route={route!r}; expected 'auto' or one of {ROUTES}")
-  # "auto": output-only. H200, B=256, L=16, f32: 0.219 ms vs 0.39 ms for the first reconstruct
-  # route (per-head tiles rebuilt by an IEEE dot over the ring, then a fold pass); the one-launch
-  # reconstruct route (window loop, flush stored in place) is untimed.
+  # "auto": output-only. H200 2026-11-29 (bench/RESULTS.md, session 5), L=16, vs the one-launch
+  # reconstruct route (window loop, flush stored in place) in the same run: B=256 f32 0.212 ms vs
+  # 0.313 ([8, K], 1 warp) / 0.360 (the decode tile); bf16 0.142 vs 0.310; B=32 f32 0.045 vs 0.055.
   route = "output_only" if route == "auto" else route
   if _is_cpu(device_kind):
     # Interpret mode: speed is irrelevant; two V tiles and two K chunks make CPU tests cover the
@@ -125,8 +125,9 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   # per fold program in steady state, and rows beyond (synchronised flushes) loop, never drop.
   fold_rows = min(batch, _next_pow2(-(-2 * batch // buffer_len)))
   if route == "reconstruct":
-    # *unmeasured*: the conventional decode's [BV, K] tile (the kernel is that step plus a window
-    # replay into the tile).
+    # The conventional decode's [BV, K] tile (the kernel is that step plus a window replay into the
+    # tile). H200 B=256 L=16 f32: [8, K] in 1 warp is faster (0.313 vs 0.360 ms) but the route
+    # loses to output-only either way, so this explicit-only route keeps the decode's tile.
     step = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                          head_v_dim=head_v_dim, batch=batch).fit(head_v_dim, head_k_dim)
   return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim, head_k_dim),
@@ -383,16 +384,24 @@ def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
                   num_k_heads: int, batch: int, buffer_len: int, ring_size: int,
                   num_tokens: int, route: str | None = None) -> VerifyConfig:
   """Verify step (fused or split), then the replay fold pass; or the one-launch reconstruct route.
-  ``route`` None: the default route (output-only until the reconstruct route is timed)."""
+  ``route`` None: reconstruct on GPUs, output-only in interpret mode."""
   base = replay_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                        head_v_dim=head_v_dim, num_k_heads=num_k_heads, batch=batch,
                        buffer_len=buffer_len, ring_size=ring_size)
-  route = "output_only" if route is None else route
+  if route is None:
+    # H200 2026-11-29, B=256, L=16, f32 state, vs the conventional speculative verify in the same
+    # run (bench/RESULTS.md, session 5): reconstruct [8, K] in 1 warp 1.33x (T=4) / 1.49x (T=8);
+    # output-only 0.52x / 0.09x (its T=8 tile spills). CPU: output-only, the route the interpret
+    # tests were sized for (both routes are tested by name).
+    route = "output_only" if _is_cpu(device_kind) else "reconstruct"
   if route == "reconstruct":
-    # *unmeasured*: the conventional decode's tile [BV, K] (the kernel is that step plus a window
-    # replay into the tile); CPU: two V tiles cover the tile indexing.
+    # H200, same runs: [8, K] in 1 warp 0.552 / 0.912 ms (T = 4 / 8) vs the decode's [16, K] in 2
+    # warps 0.722 / 1.042 and [32, K] in 4 warps 0.752 / 1.124: the window loop and the T delta-rule
+    # steps are latency-bound, so more, smaller programs win. CPU: the decode's two V tiles.
     step = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                          head_v_dim=head_v_dim, batch=batch)
+    if not _is_cpu(device_kind):
+      step = KernelConfig(block_v=8, num_warps=1)
   elif _is_cpu(device_kind):
     # Interpret mode: the replay step's tiles (two V tiles, two K chunks cover the indexing).
     step = base.step
@@ -405,8 +414,9 @@ def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
     # *untuned*: T = 5..8 doubles the live vectors again: [16, 64] tiles, 4 warps for the 2T reductions.
     step = KernelConfig(block_v=16, num_warps=4, block_k=64).fit(head_v_dim, head_k_dim)
   # Split: the readout launch is shaped like the conventional decode (one [BV, K] checkpoint tile
-  # per program, reductions only), so it starts from the decode's tile. *unmeasured* as a whole:
-  # fused stays the default until the H200 says otherwise (bench/NOTES.md attempt 13).
+  # per program, reductions only), so it starts from the decode's tile. H200 B=256 T=4 L=16 f32:
+  # split 1.35 ms vs fused 1.44 (sessions 4-5), both far behind reconstruct (0.55); fused stays
+  # the output-only default, a route now taken only by name.
   readout = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                           head_v_dim=head_v_dim, batch=batch)
   # A row's window grows by (T + 1) / 2 tokens per step on average (random accepts) and flushes once
@@ -437,15 +447,23 @@ def mamba2_verify_config(*, device_kind: str, state_dtype, head_dim: int, state_
                          num_tokens: int, route: str | None = None) -> Mamba2ReplayConfig:
   """Verify step, T tokens per row, flush fold fused in. Route ``output_only``: grid
   (P/BP, H/heads, B); ``reconstruct``: grid (P/BP, H, B), the window replayed into the [BP, N]
-  tile. ``route`` None: output-only (the reconstruct route is untimed)."""
+  tile. ``route`` None: reconstruct on GPUs, output-only in interpret mode."""
   del buffer_len
-  route = "output_only" if route is None else route
+  if route is None:
+    # H200 2026-11-29, Nemotron-3-Super layer, B=256, L=16, f32 state, vs the conventional
+    # speculative verify in the same run (bench/RESULTS.md, session 5): reconstruct [8, N] in 1
+    # warp 1.41x (T=4) / 1.82x (T=8); output-only 0.71x / 0.55x. CPU: output-only (both routes
+    # are tested by name).
+    route = "output_only" if _is_cpu(device_kind) else "reconstruct"
   if route not in ROUTES:
     raise ValueError(f"route={route!r}; expected None or one of {ROUTES}")
   if route == "reconstruct":
-    # *unmeasured*: the conventional decode's tile (the kernel is that step plus a window replay).
+    # H200, same runs: [8, N] in 1 warp 1.026 / 1.490 ms (T = 4 / 8) vs the decode's [16, N] in 2
+    # warps 1.119 / 1.892. CPU: the decode's two P tiles cover the tile indexing.
     step = mamba2_decode_config(device_kind=device_kind, state_dtype=state_dtype,
                                 head_dim=head_dim, state_dim=state_dim, batch=batch)
+    if not _is_cpu(device_kind):
+      step = Mamba2Config(block_p=8, num_warps=1).fit(head_dim, state_dim)
     return Mamba2ReplayConfig(step=step, route=route)
   if _is_cpu(device_kind):
     # Interpret mode: two P tiles, two N chunks (fold) and two heads per program cover the indexing.

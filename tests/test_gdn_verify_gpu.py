@@ -81,23 +81,26 @@ def _run(num_tokens, buffer_len, state_dtype, steps, seed=0):
 
 @pytest.mark.parametrize("num_tokens,buffer_len", [(2, 8), (4, 16), (8, 16)])
 def test_compiled_verify_f32_matches_float64_oracle(num_tokens, buffer_len):
+  """The H200 default route (reconstruct)."""
   errs = _run(num_tokens, buffer_len, jnp.float32, steps=3 * buffer_len // num_tokens + 4)
   assert max(errs.values()) < 5e-5, errs
 
 
 def test_compiled_verify_split_route(monkeypatch):
-  """The split route (readout launch, then the step kernel on the readouts) against float64."""
+  """The split output-only route (readout launch, then the step kernel on the readouts) against
+  float64."""
   real = config_lib.verify_config
-  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: dataclasses.replace(real(**kw), split=True))
+  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: dataclasses.replace(
+      real(**{**kw, "route": "output_only"}), split=True))
   errs = _run(4, 16, jnp.float32, steps=16, seed=2)
   assert max(errs.values()) < 5e-5, errs
 
 
 @pytest.mark.parametrize("num_tokens,state_dtype", [(4, jnp.float32), (8, jnp.float32), (4, jnp.bfloat16)])
-def test_compiled_verify_reconstruct_route(monkeypatch, num_tokens, state_dtype):
-  """The one-launch reconstruct route (window replayed into the tile, flush stored in place)."""
+def test_compiled_verify_output_only_route(monkeypatch, num_tokens, state_dtype):
+  """The output-only route (fused step kernel, then the fold pass), taken by name."""
   real = config_lib.verify_config
-  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: real(**{**kw, "route": "reconstruct"}))
+  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: real(**{**kw, "route": "output_only"}))
   errs = _run(num_tokens, 16, state_dtype, steps=16, seed=3)
   bound = 5e-5 if state_dtype == jnp.float32 else 5e-2
   assert errs["replay"] < bound and errs["state"] < bound, errs

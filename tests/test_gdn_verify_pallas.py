@@ -144,10 +144,19 @@ def _rows(rng, step):
 
 
 @pytest.fixture
-def split_route(monkeypatch):
-  """Makes the Pallas verify take the split route (readout launch + step kernel without a state tile)."""
+def output_only_route(monkeypatch):
+  """Makes the Pallas verify take the output-only route (fused: the step kernel reads the checkpoint)."""
   real = config_lib.verify_config
-  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: dataclasses.replace(real(**kw), split=True))
+  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: real(**{**kw, "route": "output_only"}))
+
+
+@pytest.fixture
+def split_route(monkeypatch):
+  """Makes the Pallas verify take the split output-only route (readout launch + step kernel
+  without a state tile)."""
+  real = config_lib.verify_config
+  monkeypatch.setattr(config_lib, "verify_config", lambda **kw: dataclasses.replace(
+      real(**{**kw, "route": "output_only"}), split=True))
 
 
 @pytest.fixture
@@ -278,7 +287,7 @@ _SLOTS = jnp.asarray(np.r_[np.arange(P_B - 1), -1], i32)
 # Each T, L and state dtype at least once (every lowering traces a large unrolled kernel).
 @pytest.mark.parametrize("num_tokens,buffer_len,state_dtype", [
     (2, 8, "float32"), (4, 16, "float32"), (8, 16, "float32"), (8, 8, "bfloat16"), (4, 8, "bfloat16")])
-def test_replay_verify_lowers_for_h200(num_tokens, buffer_len, state_dtype):
+def test_output_only_route_lowers_for_h200(output_only_route, num_tokens, buffer_len, state_dtype):
   cursor = rs.ReplayCursor.create(P_N, buffer_len=buffer_len, max_draft=num_tokens - 1)
   bufs = rs.gdn.ReplayBuffers.create(P_N, cursor, num_k_heads=P_HK, num_v_heads=P_HV, head_k_dim=P_K,
                                      head_v_dim=P_V, state_dtype=state_dtype, ring_dtype=jnp.bfloat16)
@@ -300,7 +309,8 @@ def test_split_route_lowers_for_h200(split_route):
 
 
 @pytest.mark.parametrize("num_tokens,state_dtype", [(4, "float32"), (8, "bfloat16")])
-def test_reconstruct_route_lowers_for_h200(reconstruct_route, num_tokens, state_dtype):
+def test_default_route_lowers_for_h200(num_tokens, state_dtype):
+  """The H200 default is the reconstruct route: one launch."""
   cursor = rs.ReplayCursor.create(P_N, buffer_len=16, max_draft=num_tokens - 1)
   bufs = rs.gdn.ReplayBuffers.create(P_N, cursor, num_k_heads=P_HK, num_v_heads=P_HV, head_k_dim=P_K,
                                      head_v_dim=P_V, state_dtype=state_dtype, ring_dtype=jnp.bfloat16)

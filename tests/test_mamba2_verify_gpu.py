@@ -77,15 +77,16 @@ def _run(state_dtype, num_tokens, buffer_len, steps, seed=0):
 
 @pytest.mark.parametrize("num_tokens,buffer_len", [(2, 8), (4, 16), (8, 16)])
 def test_compiled_verify_f32_matches_float64_oracle(num_tokens, buffer_len):
+  """The H200 default route (reconstruct)."""
   errs = _run(jnp.float32, num_tokens, buffer_len, steps=2 * buffer_len // num_tokens + 4)
   assert errs["replay"] < 5e-5 and errs["state"] < 5e-5 and errs["conv"] < 5e-5, errs
 
 
 @pytest.mark.parametrize("num_tokens,state_dtype", [(4, jnp.float32), (8, jnp.float32), (4, jnp.bfloat16)])
-def test_compiled_verify_reconstruct_route(monkeypatch, num_tokens, state_dtype):
-  """The reconstruct route (window replayed into the tile, flush stored after token 0)."""
+def test_compiled_verify_output_only_route(monkeypatch, num_tokens, state_dtype):
+  """The output-only route (T×T products, fold fused in), taken by name."""
   real = config_lib.mamba2_verify_config
-  monkeypatch.setattr(config_lib, "mamba2_verify_config", lambda **kw: real(**{**kw, "route": "reconstruct"}))
+  monkeypatch.setattr(config_lib, "mamba2_verify_config", lambda **kw: real(**{**kw, "route": "output_only"}))
   errs = _run(state_dtype, num_tokens, 16, steps=12, seed=4)
   bound = 5e-5 if state_dtype == jnp.float32 else 5e-2
   assert errs["replay"] < bound and errs["state"] < bound, errs
