@@ -27,6 +27,7 @@
 import json
 import math
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -85,6 +86,56 @@ files, rows = load_results(RESULTS.glob("*.json"))
 print(f"{len(rows)} timed rows from {len(files)} file(s)")
 
 # %% [markdown]
+# ## Which runs each plot shows
+#
+# The results directory keeps every run, including launch-config sweeps and kernels that were
+# replaced since. Each plot shows the runs listed here for it (result-file stems, each with the
+# reason); `ALL_RUNS = True` plots every stored run instead (one line per run: crowded). A run
+# re-timed on a GPU below is added to the batch plots.
+
+# %%
+ALL_RUNS = False
+CURRENT = {
+    "batch": {   # speed-up and effective bandwidth vs batch, L = 16
+        "gdn_decode_2026-11-29_s4_small_batch": "GDN decode B = 1-128: output-only and the fold-and-step kernel",
+        "gdn_decode_2026-11-29_s5_reconstruct": "GDN decode B = 32-256: output-only vs the one-launch reconstruct route",
+        "model_decode_2026-11-29_s4_policy": "model step (8 GDN layers + MLP), small-batch policy on and off",
+    },
+    "L": {       # the only L sweeps (session 1-2 kernels)
+        "gdn_decode_2026-11-29_run7": "GDN decode, L = 8/16/32 at B = 256/512",
+        "gdn_decode_2026-11-29_s3_L32": "GDN decode, L = 16/32 at B = 256 after the R = 32 fold tile",
+        "mamba2_decode_2026-11-29_run1": "Mamba2 decode, L = 4/8/16 at B = 256",
+    },
+    "T": {       # speculative verify
+        "verify_gdn_2026-11-29_s5_routes": "GDN B = 256, every route; plain replay-pallas = output-only (the default before 164bf10)",
+        "verify_mamba2_2026-11-29_s5_matrix": "Mamba2, the default (reconstruct) route, B = 1-256",
+    },
+}
+
+
+def run_tag(src):
+  """'gdn_decode_2026-11-29_s4_small_batch' -> 'gdn_decode s4_small_batch' (legends)."""
+  m = re.match(r"(.*?)_\d{4}-\d{2}-\d{2}_?(.*)", src)
+  return f"{m.group(1)} {m.group(2)}".strip() if m else src
+
+
+def shown(plot, rows_):
+  """The rows of ``plot``'s listed runs (all rows when ALL_RUNS)."""
+  if ALL_RUNS:
+    return rows_
+  keep = CURRENT[plot]
+  missing = sorted(set(keep) - {r["source"] for r in rows})
+  if missing:
+    print(f"{plot}: listed runs not found in bench/results: {missing}")
+  return [r for r in rows_ if r["source"] in keep]
+
+
+for plot, runs in CURRENT.items():
+  print(f"{plot}:")
+  for stem, why in runs.items():
+    print(f"  {stem}: {why}")
+
+# %% [markdown]
 # ## Re-run on a GPU
 #
 # With a GPU attached, time a short GDN run now (f32 state, L = 16, two batches) and add it.
@@ -101,6 +152,7 @@ if jax.default_backend() == "gpu":
   new_files, new_rows = load_results([out])
   files += new_files
   rows += new_rows
+  CURRENT["batch"][out.stem] = "re-timed by this notebook"
 else:
   print(f"backend {jax.default_backend()!r}: no re-run; using the stored results")
 
@@ -123,7 +175,7 @@ def ok_rows(pred=lambda r: True):
 
 
 def short(dt):
-  return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dt, str(dt))
+  return {"float32": "f32", "bfloat16": "bf16", "float16": "f16", None: ""}.get(dt, str(dt))
 
 
 def group_by(rs_, keys):
@@ -147,27 +199,32 @@ def no_data(ax, what):
 
 # %%
 sp = ok_rows(lambda r: r.get("speedup_vs_conv") and not r.get("num_tokens", 1) > 1)
-fig, axes = plt.subplots(1, 2, figsize=(14, 9))
+sp_batch, sp_L = shown("batch", sp), shown("L", sp)
+fig, axes = plt.subplots(1, 2, figsize=(14, 8))
+for ax in axes:
+  ax.set_prop_cycle(color=plt.cm.tab20.colors)
 ax = axes[0]
-if sp:
-  for (src, arm, dt, L), g in sorted(group_by(sp, ["source", "label", "state_dtype", "buffer_len"]).items(),
+if sp_batch:
+  for (src, arm, dt, L), g in sorted(group_by(sp_batch, ["source", "label", "state_dtype", "buffer_len"]).items(),
                                      key=lambda kv: str(kv[0])):
     g = sorted(g, key=lambda r: r["batch"])
     if len(g) > 1 and L == 16:
-      ax.plot([r["batch"] for r in g], [r["speedup_vs_conv"] for r in g], "o-", label=f"{src}: {arm} {short(dt)}")
+      ax.plot([r["batch"] for r in g], [r["speedup_vs_conv"] for r in g], "o-",
+              label=f"{run_tag(src)}: {arm} {short(dt)}")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set(xscale="log", xlabel="batch (rows)", ylabel="speed-up vs conventional (x)", title="Speed-up vs batch (L = 16)")
   ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
 else:
   no_data(axes[0], "replay rows with a speed-up")
 ax = axes[1]
-if sp:
-  b_show = sorted({r["batch"] for r in sp})[-2:]
-  for (src, arm, dt, b), g in sorted(group_by(sp, ["source", "label", "state_dtype", "batch"]).items(),
+if sp_L:
+  b_show = sorted({r["batch"] for r in sp_L})[-2:]
+  for (src, arm, dt, b), g in sorted(group_by(sp_L, ["source", "label", "state_dtype", "batch"]).items(),
                                      key=lambda kv: str(kv[0])):
     g = sorted(g, key=lambda r: r["buffer_len"])
     if len(g) > 1 and b in b_show and "oo" in str(arm):
-      ax.plot([r["buffer_len"] for r in g], [r["speedup_vs_conv"] for r in g], "o-", label=f"{src}: {arm} {short(dt)} B={b}")
+      ax.plot([r["buffer_len"] for r in g], [r["speedup_vs_conv"] for r in g], "o-",
+              label=f"{run_tag(src)}: {arm} {short(dt)} B={b}")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set(xscale="log", xlabel="buffer length L (steps per flush)", ylabel="speed-up vs conventional (x)",
          title="Speed-up vs L")
@@ -186,18 +243,21 @@ plt.show()
 # speculative baseline (one state written per draft position).
 
 # %%
-ver = ok_rows(lambda r: (r.get("num_tokens") or r.get("T") or 1) > 1 and r.get("speedup_vs_conv"))
-fig, ax = plt.subplots(figsize=(6, 4))
+ver = shown("T", ok_rows(lambda r: (r.get("num_tokens") or r.get("T") or 1) > 1 and r.get("speedup_vs_conv")))
+fig, ax = plt.subplots(figsize=(7, 7))
+ax.set_prop_cycle(color=plt.cm.tab20.colors)
 if ver:
   for (src, arm, dt, b), g in sorted(group_by(ver, ["source", "label", "state_dtype", "batch"]).items(),
                                      key=lambda kv: str(kv[0])):
     g = sorted(g, key=lambda r: r.get("num_tokens") or r.get("T"))
     ax.plot([r.get("num_tokens") or r.get("T") for r in g], [r["speedup_vs_conv"] for r in g], "o-",
-            label=f"{src}: {arm} {short(dt)} B={b}")
+            label=f"{run_tag(src)}: {arm} {short(dt)} B={b}")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set(xlabel="tokens per verify step T", ylabel="speed-up vs conventional speculative (x)",
          title="Speed-up vs T")
-  ax.legend(fontsize=7)
+  ax.set_xticks([2, 4, 8])
+  ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
+  fig.tight_layout()
 else:
   no_data(ax, "verify (T > 1) results")
 plt.show()
@@ -210,19 +270,22 @@ plt.show()
 # same run — what a perfect memory-bound kernel could reach.
 
 # %%
-bw = ok_rows(lambda r: r.get("eff_gbps") and r.get("buffer_len") in (None, 16) and r.get("num_tokens", 1) in (None, 1))
-fig, ax = plt.subplots(figsize=(7, 4))
+bw = shown("batch", ok_rows(lambda r: r.get("eff_gbps") and r.get("buffer_len") in (None, 16)
+                            and r.get("num_tokens", 1) in (None, 1)))
+fig, ax = plt.subplots(figsize=(7, 7))
+ax.set_prop_cycle(color=plt.cm.tab20.colors)
 if bw:
   for (src, arm, dt), g in sorted(group_by(bw, ["source", "label", "state_dtype"]).items(), key=lambda kv: str(kv[0])):
     g = sorted(g, key=lambda r: r["batch"])
     if len(g) > 1:
-      ax.plot([r["batch"] for r in g], [r["eff_gbps"] for r in g], "o-", label=f"{src}: {arm} {short(dt)}")
+      ax.plot([r["batch"] for r in g], [r["eff_gbps"] for r in g], "o-", label=f"{run_tag(src)}: {arm} {short(dt)}")
   ceil = [r["ceiling_gbps"] for r in bw if r.get("ceiling_gbps")]
   if ceil:
     ax.axhline(max(ceil), color="k", ls="--", lw=1, label=f"copy ceiling {max(ceil):.0f} GB/s")
   ax.set(xscale="log", xlabel="batch (rows)", ylabel="effective bandwidth (GB/s)",
          title="Effective bandwidth (replay at L = 16)")
-  ax.legend(fontsize=7)
+  ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
+  fig.tight_layout()
 else:
   no_data(ax, "rows with a bandwidth")
 plt.show()
