@@ -118,6 +118,15 @@ class Family:
     return rs.mamba2.replay_verify(x, dt, p["A"], B, C, bufs, plan, D=p["D"], dt_bias=p["dt_bias"],
                                    implementation=impl)
 
+  def launch_config(self, bufs, plan, knobs=()) -> str:
+    """The Pallas replay verify's resolved launch config (route and tiles) for these buffers."""
+    batch = plan.slots.shape[0]
+    if self.name == "gdn":
+      from replayssm_jax.pallas import gdn_verify_triton as kernels
+    else:
+      from replayssm_jax.pallas import mamba2_verify_triton as kernels
+    return repr(kernels.verify_cfg("bench", bufs, plan, batch, **dict(knobs)))
+
   def conventional(self, inputs, stack, slots, read_index, impl):
     if self.name == "gdn":
       return rs.gdn.verify_conventional(*inputs, stack, slots, read_index, implementation=impl)
@@ -260,6 +269,10 @@ def run_arm(setup: Setup, arm: str, args) -> dict:
     rel = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
     tol = 1e-2 if "bfloat16" in (setup.state_dtype, setup.act_dtype, setup.ring_dtype) else 2e-3
     row["gate"] = {"passed": bool(np.all(np.isfinite(o)) and rel <= tol), "o_rel_vs_xla": rel, "tol_rel": tol}
+    if kind == "replay" and impl == "pallas_triton":
+      bank, slots = consts
+      row["launch_config"] = setup.family.launch_config(
+          carry[0], carry[1].plan(slots, num_tokens=setup.num_tokens), setup.knobs)
     runner = jax.jit(make_runner(setup, kind, impl), donate_argnums=(0,))
     compiled = runner.lower(carry, consts, jnp.int32(1)).compile()
     row["compile_s"] = time.perf_counter() - t0

@@ -208,6 +208,10 @@ def test_verify_decode_smoke(tmp_path):
     assert r["gate"]["o_rel_vs_xla"] <= r["gate"]["tol_rel"]
     assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
   assert rows["replay-pallas"]["speedup_vs_conv"] > 0 and rows["replay-xla"]["speedup_vs_conv"] > 0
+  # The resolved launch config (route and tiles) is recorded, so a run stays readable after the
+  # config's defaults change.
+  assert "route='output_only'" in rows["replay-pallas"]["launch_config"]
+  assert "launch_config" not in rows["replay-xla"]
   assert "## Memory per request and layer" in md.read_text()
 
 

@@ -245,6 +245,22 @@ def _check_tokens(op, t):
                               f"automatically)")
 
 
+def verify_cfg(op, bufs: ReplayBuffers, plan: ReplayPlan, batch, *, route=None, block_p=None,
+               block_n=None, heads=None, num_warps=None,
+               num_stages=None) -> config_lib.Mamba2ReplayConfig:
+  """The config's Mamba2ReplayConfig for this shape with the keyword overrides applied."""
+  _check_tokens(op, plan.num_tokens)
+  h, p, n, g = bufs.num_heads, bufs.head_dim, bufs.state_dim, bufs.num_groups
+  _check_sizes(op, p, n)
+  cfg = config_lib.mamba2_verify_config(
+      device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_dim=p, state_dim=n,
+      num_heads=h, num_groups=g, batch=batch, buffer_len=plan.buffer_len,
+      num_tokens=plan.num_tokens, route=route)
+  step = _fit(op, cfg.step, p, n, h // g, block_p=block_p, block_n=block_n, heads=heads,
+              num_warps=num_warps, num_stages=num_stages)
+  return config_lib.Mamba2ReplayConfig(step=step, route=cfg.route)
+
+
 def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, D, z, dt_bias,
                   dt_softplus, route=None, block_p=None, block_n=None, heads=None, num_warps=None,
                   num_stages=None):
@@ -264,16 +280,8 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
     (y [B, T, H, P] in x's dtype, bufs).
   """
   op = "mamba2.replay_verify[pallas_triton]"
-  _check_tokens(op, plan.num_tokens)
-  h, p, n, g = bufs.num_heads, bufs.head_dim, bufs.state_dim, bufs.num_groups
-  _check_sizes(op, p, n)
-  cfg = config_lib.mamba2_verify_config(
-      device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_dim=p, state_dim=n,
-      num_heads=h, num_groups=g, batch=x.shape[0], buffer_len=plan.buffer_len,
-      num_tokens=plan.num_tokens, route=route)
-  step = _fit(op, cfg.step, p, n, h // g, block_p=block_p, block_n=block_n, heads=heads,
-              num_warps=num_warps, num_stages=num_stages)
-  cfg = config_lib.Mamba2ReplayConfig(step=step, route=cfg.route)
+  cfg = verify_cfg(op, bufs, plan, x.shape[0], route=route, block_p=block_p, block_n=block_n,
+                   heads=heads, num_warps=num_warps, num_stages=num_stages)
   return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,
                         cfg=cfg, interpret=common.interpret_mode())
 
