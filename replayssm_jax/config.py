@@ -499,7 +499,8 @@ def mamba2_verify_conventional_config(*, device_kind: str, state_dtype, head_dim
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicConfig:
-  """One Mosaic GPU launch: V tile rows per program (the [BV, K] checkpoint tile staged by TMA)."""
+  """One Mosaic GPU launch: state-tile rows per program (GDN's [BV, K] checkpoint tile, Mamba2's
+  [BP, N] state tile, staged by TMA)."""
   block_v: int
 
   def __post_init__(self):
@@ -526,6 +527,15 @@ def mosaic_replay_config(*, device_kind: str, state_dtype, head_v_dim: int, num_
     return MosaicConfig(block_v=min(16, head_v_dim))
   # *untuned*: 64 rows; r = 2 f32 [64, 128] tiles + a 16-entry ring stay under 100 KiB of SMEM.
   return MosaicConfig(block_v=min(64, head_v_dim))
+
+
+def mosaic_mamba2_decode_config(*, device_kind: str, head_dim: int) -> MosaicConfig:
+  """Conventional Mamba2 decode, grid (P/BP, H, B); ``block_v`` holds BP."""
+  if _is_cpu(device_kind):
+    # Interpret mode ignores layouts: a 16-row tile gives CPU tests two P tiles per head.
+    return MosaicConfig(block_v=min(16, head_dim))
+  # *untuned*: the 64-row WGMMA tile, the smallest that lowers (GDN's Mosaic decode tile).
+  return MosaicConfig(block_v=min(64, head_dim))
 
 
 def mosaic_materialize_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:

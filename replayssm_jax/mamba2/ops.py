@@ -4,9 +4,10 @@ Shapes (decode, one token per row): x, z [B, H, P]; dt [B, H]; A, D, dt_bias [H]
 with H a multiple of G (head h reads group ``h // (H // G)``); pool / checkpoint [N, H, P, N];
 slots int32[B] (negative = padding row); output [B, H, P] in x's dtype.
 
-Implementations: "xla" (mamba2/xla.py) and "pallas_triton" (pallas/mamba2_triton.py, verify ops in
-pallas/mamba2_verify_triton.py; interpreted on CPU). ``implementation=None`` picks the fastest available and falls back to XLA where a
-kernel cannot handle the input (NotImplementedError).
+Implementations: "xla" (mamba2/xla.py), "pallas_triton" (pallas/mamba2_triton.py, verify ops in
+pallas/mamba2_verify_triton.py; interpreted on CPU) and, for ``decode`` only, "pallas_mosaic"
+(pallas/mamba2_mosaic.py; Hopper, interpreted on CPU). ``implementation=None`` picks the fastest
+available and falls back to XLA where a kernel cannot handle the input (NotImplementedError).
 """
 import jax
 import jax.numpy as jnp
@@ -61,7 +62,7 @@ def decode(x, dt, A, B, C, pool, slots, *, D=None, z=None, dt_bias=None, dt_soft
     slots: int32[B]; negative = padding row (zero output, nothing written).
     D: [H] skip, or None. z: [B, H, P] gate (y · silu(z)), or None. dt_bias: [H], or None.
     dt_softplus: Δ = softplus(dt + dt_bias) if True, else dt + dt_bias.
-    implementation: None (fastest available), "xla" or "pallas_triton".
+    implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic".
 
   Returns:
     (y [B, H, P] in x's dtype, pool).
@@ -82,7 +83,13 @@ def decode(x, dt, A, B, C, pool, slots, *, D=None, z=None, dt_bias=None, dt_soft
     return mamba2_triton.decode(x, dt, A, B, C, pool, slots, D=D, z=z, dt_bias=dt_bias,
                                 dt_softplus=softplus)
 
-  return _dispatch.run("mamba2.decode", implementation, {"xla": run_xla, "pallas_triton": run_triton})
+  def run_mosaic():
+    from replayssm_jax.pallas import mamba2_mosaic
+    return mamba2_mosaic.decode(x, dt, A, B, C, pool, slots, D=D, z=z, dt_bias=dt_bias,
+                                dt_softplus=softplus)
+
+  return _dispatch.run("mamba2.decode", implementation,
+                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic})
 
 
 _jit_xla_decode = jax.jit(xla.decode, static_argnames=("dt_softplus",))

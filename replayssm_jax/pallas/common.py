@@ -75,3 +75,21 @@ def load_window(ref, inside_rows):
 def load_entry(ref, live):
   """Masked load of one ring entry (a vector): zeros unless ``live``."""
   return plt.load(ref, mask=jnp.broadcast_to(live, ref.shape), other=jnp.zeros((), ref.dtype))
+
+
+def softplus(x, log1p=jnp.log1p):
+  """softplus as jax.nn.softplus (logaddexp(x, 0)) computes it, without overflow (kernel math).
+  ``log1p``: a replacement where the lowering has none (Mosaic GPU: ``log1p_from_log``)."""
+  return jnp.maximum(x, 0.0) + log1p(jnp.exp(-jnp.abs(x)))
+
+
+def log1p_from_log(e):
+  """log(1 + e) to a few ulps from ``log`` alone (Goldberg): with u = fl(1 + e), log(u) · e / (u − 1)
+  cancels the rounding of u; where u rounds to 1, log(1 + e) = e to f32 precision."""
+  u = 1.0 + e
+  return jnp.where(u == 1.0, e, jnp.log(u) * (e / jnp.where(u == 1.0, 1.0, u - 1.0)))
+
+
+def silu_gate(y, z):
+  """y · silu(z), the Mamba2 output gate (kernel math)."""
+  return y * (z / (1.0 + jnp.exp(-z)))

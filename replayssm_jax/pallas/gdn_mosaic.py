@@ -324,9 +324,12 @@ def _smem_bytes(block_v, head_k_dim, *, heads, state_dtype, ring_size=0, ring_dt
   return heads * block_v * head_k_dim * jnp.dtype(state_dtype).itemsize + ring + out
 
 
-def _require_lowerable(op, *, head_k_dim, head_v_dim, block_v, ring_size, smem, ring_itemsize=4):
+def _require_lowerable(op, *, head_k_dim, head_v_dim, block_v, ring_size, smem, ring_itemsize=4,
+                       dims=("V", "K")):
   """NotImplementedError for shapes the Mosaic lowering cannot take (checked when compiling;
-  the interpreter ignores layouts, so CPU tests may use smaller tiles).
+  the interpreter ignores layouts, so CPU tests may use smaller tiles). The state tile is
+  [block_v, head_k_dim] of a [head_v_dim, head_k_dim] head; ``dims`` names its axes in messages
+  (GDN V, K; Mamba2 P, N).
 
   TMA rules behind the checks: at most 256 elements per box dimension; GMEM strides and the
   innermost box row in multiples of 16 bytes; SMEM destinations 128-byte aligned (per-head
@@ -334,11 +337,13 @@ def _require_lowerable(op, *, head_k_dim, head_v_dim, block_v, ring_size, smem, 
   """
   if common.interpret_mode():
     return
+  rows, cols = dims
   problems = []
   if block_v % 64 or head_v_dim % block_v or block_v > 256:
-    problems.append(f"V tile {block_v} of V={head_v_dim} (the WGMMA layout needs 64-row tiles)")
+    problems.append(f"{rows} tile {block_v} of {rows}={head_v_dim} (the WGMMA layout needs "
+                    f"64-row tiles)")
   if head_k_dim % 64 or head_k_dim > 256:
-    problems.append(f"K={head_k_dim} (needs a multiple of 64, at most 256: layout and TMA box)")
+    problems.append(f"{cols}={head_k_dim} (needs a multiple of 64, at most 256: layout and TMA box)")
   if ring_size and (ring_size < 4 or ring_size > 256):
     problems.append(f"ring size R={ring_size} (the TMA of the [R] decay ring needs >= 16 bytes, "
                     f"a TMA box at most 256 rows)")

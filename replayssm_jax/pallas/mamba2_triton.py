@@ -60,8 +60,7 @@ def _token(r, at, h, tile, softplus):
   dt = r["dt"][(*at, h)].astype(f32)
   if "dt_bias" in r:
     dt = dt + r["dt_bias"][h].astype(f32)
-  # softplus as jax.nn.softplus (logaddexp(dt, 0)) computes it, without overflow.
-  delta = jnp.maximum(dt, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(dt))) if softplus else dt
+  delta = common.softplus(dt) if softplus else dt
   return delta * r["A"][h].astype(f32), delta * r["x"][(*at, h, tile)].astype(f32)
 
 
@@ -70,8 +69,7 @@ def _finish(r, y, at, h, tile):
   if "D" in r:
     y = y + r["D"][h].astype(f32) * r["x"][(*at, h, tile)].astype(f32)
   if "z" in r:
-    z = r["z"][(*at, h, tile)].astype(f32)
-    y = y * (z / (1.0 + jnp.exp(-z)))
+    y = common.silu_gate(y, r["z"][(*at, h, tile)].astype(f32))
   return y.astype(r["y_out"].dtype)
 
 

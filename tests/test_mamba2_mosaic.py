@@ -1,0 +1,144 @@
+"""Pallas Mosaic GPU Mamba2 decode vs XLA and the float64 oracle (Mosaic interpret mode on CPU),
+plus abstract-H200 lowering at the Nemotron-3-Super geometry.
+
+Small grids (the Mosaic interpreter costs ~0.5 s per kernel call): H 4 over G 2 groups, P 32
+(two P tiles of 16), N 16, four rows (row 1 padding, rows joining late). The interpreter ignores
+Mosaic layouts (16-row tiles run here but would not lower); the lowering tests cover the
+production tiles.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import replayssm_jax as rs
+from replayssm_jax.pallas import common
+from tests.helpers import lower_for_h200, max_err, tolerance
+from tests.test_mamba2_ops import make_params, make_step, mamba2_step_f64
+from tests.test_mamba2_pallas import (DTYPES, NANO, SLOTS, SUPER, H, G, N, _assert_close,
+                                      _assert_untouched, _initial_states, _np, _params,
+                                      _production, _slots_at)
+
+IMPL = "pallas_mosaic"
+P = 32
+
+
+@pytest.mark.parametrize("dtypes", ["f32", "bf16"])
+def test_decode_parity(dtypes):
+  """Three steps with D, z and dt_bias: Mosaic == XLA, the float64 oracle (f32), padding inert."""
+  state_dtype, act_dtype = DTYPES[dtypes]
+  tol = tolerance(state_dtype, act_dtype)
+  rng = np.random.default_rng(5)
+  params, jp = _params(rng)
+  pools = dict.fromkeys(("xla", IMPL), _initial_states(rng, P, state_dtype))
+  exact = np.asarray(_np(pools["xla"]), np.float64)
+  for t in range(3):
+    slots = _slots_at(t)
+    live = np.asarray(slots) >= 0
+    a = make_step(rng, len(SLOTS), H, G, P, N)
+    j = a.as_jax(act_dtype)
+    out = {}
+    for impl in pools:
+      before = pools[impl]
+      out[impl], pools[impl] = rs.mamba2.decode(
+          j["x"], j["dt"], jp["A"], j["B"], j["C"], before, slots, D=jp["D"], z=j["z"],
+          dt_bias=jp["dt_bias"], implementation=impl)
+    _assert_untouched("pool", before, pools[IMPL], np.asarray(slots)[live])
+    assert np.all(_np(out[IMPL])[~live] == 0.0)
+    _assert_close(f"t={t} y", out[IMPL], out["xla"], tol)
+    _assert_close(f"t={t} pool", pools[IMPL], pools["xla"], tol)
+    if state_dtype == "float32":
+      sl = np.asarray(slots)[live]
+      y64, s64 = mamba2_step_f64(exact[sl], a.rounded().map(lambda x: x[live]), params)
+      exact[sl] = s64
+      assert max_err(_np(out[IMPL])[live], y64) <= tol
+      assert max_err(_np(pools[IMPL])[sl], s64) <= tol
+
+
+def test_decode_without_optional_inputs():
+  """D, z, dt_bias absent and dt_softplus off: the kernel drops those terms like XLA does."""
+  rng = np.random.default_rng(6)
+  _, jp = _params(rng)
+  pool = _initial_states(rng, P, "float32")
+  j = make_step(rng, len(SLOTS), H, G, P, N).as_jax("float32")
+  slots = _slots_at(2)
+  run = lambda impl: rs.mamba2.decode(j["x"], j["dt"], jp["A"], j["B"], j["C"], pool, slots,
+                                      dt_softplus=False, implementation=impl)
+  (y, s), (y_ref, s_ref) = run(IMPL), run("xla")
+  tol = tolerance("float32", "float32")
+  _assert_close("y", y, y_ref, tol)
+  _assert_close("pool", s, s_ref, tol)
+
+
+def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
+  rng = np.random.default_rng(7)
+  _, jp = _params(rng)
+  pool = _initial_states(rng, P, "float32")
+  j = make_step(rng, len(SLOTS), H, G, P, N).as_jax("float32")
+  slots = _slots_at(2)
+  run = lambda: rs.mamba2.decode(j["x"], j["dt"], jp["A"], j["B"], j["C"], pool, slots,
+                                 implementation=IMPL)
+  assert "replayssm_mamba2_decode_mosaic" in str(jax.make_jaxpr(run)())
+  # Compiling (not interpreting): 32-row tiles and N = 16 cannot take the WGMMA layouts.
+  with common.force_lowering():
+    with pytest.raises(NotImplementedError, match="P tile 32 of P=32.*N=16"):
+      run()
+
+
+@pytest.mark.parametrize("state_dtype,geometry", [("float32", "super"), ("bfloat16", "super"),
+                                                  ("float32", "nano")])
+def test_lowers_for_h200(state_dtype, geometry):
+  """Super (P 64, N 128): one Mosaic kernel, the pool updated in place. Nano (P 80): no 64-row
+  tile divides P, so compiling refuses it (implementation=None then falls back)."""
+  slots, _, bufs, step, extra = _production(SUPER if geometry == "super" else NANO, 8, state_dtype)
+  lower = lambda: lower_for_h200(lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
+      x, dt, A, B, C, pool, s, z=x, implementation=IMPL, **extra), (0,), bufs.state, slots, *step)
+  if geometry == "nano":
+    with pytest.raises(NotImplementedError, match="P=80"):
+      lower()
+    return
+  text = lower()
+  assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
+  assert text.count("tf.aliasing_output") == 1
+
+
+def test_softplus_without_log1p_is_f32_accurate():
+  """Mosaic GPU has no log1p: softplus through ``log1p_from_log`` stays within f32 rounding of the
+  float64 value over the range where exp(-|x|) does not underflow (naive log(1 + e) loses all
+  digits below |x| ≈ 17)."""
+  x = jnp.asarray(np.r_[np.linspace(-80.0, 30.0, 20001), 0.0, 1e-8, -1e-8], jnp.float32)
+  got = np.asarray(common.softplus(x, log1p=common.log1p_from_log), np.float64)
+  want = np.logaddexp(np.asarray(x, np.float64), 0.0)
+  assert np.max(np.abs(got - want) / want) < 4e-7
+
+
+def _params_for(rng, h):
+  params = make_params(rng, h)
+  return params, dict(A=jnp.asarray(params.A, jnp.float32), D=jnp.asarray(params.D, jnp.float32),
+                      dt_bias=jnp.asarray(params.dt_bias, jnp.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_compiled_decode_matches_float64_oracle(state_dtype):
+  """The compiled kernel at the Nemotron-3-Super geometry, 4 steps, a padding row in the middle."""
+  h, g, p, n = SUPER
+  rng = np.random.default_rng(11)
+  params, jp = _params_for(rng, h)
+  slots_np = np.array([5, -1, 2, 7], np.int32)
+  live = slots_np >= 0
+  pool = jnp.asarray(0.1 * rng.normal(size=(8, h, p, n)), state_dtype)
+  S = np.asarray(_np(pool), np.float64)[slots_np[live]]
+  slots = jnp.asarray(slots_np)
+  err = 0.0
+  for _ in range(4):
+    a = make_step(rng, len(slots_np), h, g, p, n)
+    j = a.as_jax()
+    y, pool = rs.mamba2.decode(j["x"], j["dt"], jp["A"], j["B"], j["C"], pool, slots, D=jp["D"],
+                               z=j["z"], dt_bias=jp["dt_bias"], implementation=IMPL)
+    y_ref, S = mamba2_step_f64(S, a.rounded().map(lambda x: x[live]), params)
+    assert np.all(_np(y)[~live] == 0.0)
+    err = max(err, max_err(_np(y)[live], y_ref) / max(1.0, float(np.max(np.abs(y_ref)))))
+    if state_dtype == "bfloat16":   # the oracle continues from the stored (rounded) state
+      S = np.asarray(_np(pool), np.float64)[slots_np[live]]
+  assert err < (5e-5 if state_dtype == "float32" else 5e-2), err
