@@ -538,6 +538,13 @@ def mosaic_mamba2_decode_config(*, device_kind: str, head_dim: int) -> MosaicCon
   return MosaicConfig(block_v=min(64, head_dim))
 
 
+def mosaic_mamba2_replay_config(*, device_kind: str, head_dim: int) -> MosaicConfig:
+  """Mamba2 replay step (reconstruct route, flush fused), grid (P/BP, H, B); ``block_v`` holds BP."""
+  # *untuned*: the decode's tile; the staged ring (R·(N + BP) entries) fits beside an f32
+  # [64, 128] tile for R ≤ 128 within the SMEM budget.
+  return mosaic_mamba2_decode_config(device_kind=device_kind, head_dim=head_dim)
+
+
 def mosaic_materialize_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
   """Materialize, grid (V/BV, Hv, B), f32 output tile staged in SMEM."""
   # *untuned*: the replay tile (same fold body; not on the decode hot path).

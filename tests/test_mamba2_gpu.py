@@ -20,7 +20,10 @@ SUPER, NANO = (128, 8, 64, 128), (96, 8, 80, 128)   # (H, G, P, N)
 SLOTS = np.array([5, -1, 2, 7], np.int32)          # a padding row in the middle
 
 
-def _run(route, state_dtype, buffer_len, steps, geometry=SUPER, seed=0, flush_all_at=()):
+def _run(route, state_dtype, buffer_len, steps, geometry=SUPER, seed=0, flush_all_at=(),
+         implementation="pallas_triton"):
+  """Replay (route) and conventional decode through ``implementation`` against the float64
+  oracle; materialize through Triton. Returns the max errors."""
   h, g, p, n = geometry
   rng = np.random.default_rng(seed)
   params = make_params(rng, h)
@@ -45,10 +48,10 @@ def _run(route, state_dtype, buffer_len, steps, geometry=SUPER, seed=0, flush_al
     flushes += int(np.sum(np.asarray(plan.flush)))
     y, bufs = rs.mamba2.replay_decode(a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs, plan,
                                       D=jp["D"], z=a["z"], dt_bias=jp["dt_bias"], route=route,
-                                      implementation="pallas_triton")
+                                      implementation=implementation)
     cursor = cursor.commit(plan)
     yc, pool = rs.mamba2.decode(a["x"], a["dt"], jp["A"], a["B"], a["C"], pool, slots, D=jp["D"],
-                                z=a["z"], dt_bias=jp["dt_bias"], implementation="pallas_triton")
+                                z=a["z"], dt_bias=jp["dt_bias"], implementation=implementation)
     y_ref, S = mamba2_step_f64(S, step.rounded(), params)
     scale = max(1.0, float(np.max(np.abs(y_ref[live]))))
     errs["replay"] = max(errs["replay"], max_err(np.asarray(y)[live], y_ref[live]) / scale)
@@ -66,6 +69,16 @@ def test_compiled_replay_f32_matches_float64_oracle(route):
   # f32 throughout; a TF32 product anywhere would show errors near 1e-3.
   assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
   assert errs["conv"] < 5e-5, errs
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_compiled_mosaic_kernels_match_float64_oracle(state_dtype):
+  """pallas_mosaic: replay_decode (reconstruct, flush fused) and decode, compiled for Hopper."""
+  errs = _run("reconstruct", state_dtype, 4, steps=10, seed=5, implementation="pallas_mosaic")
+  if state_dtype == jnp.float32:
+    assert max(errs.values()) < 5e-5, errs
+  else:   # the bf16 pool of the conventional arm rounds every step; replay's checkpoint per flush
+    assert errs["replay"] < 5e-2 and errs["state"] < 5e-2, errs
 
 
 def test_compiled_replay_bf16_state():

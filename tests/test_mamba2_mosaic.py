@@ -14,10 +14,10 @@ import pytest
 import replayssm_jax as rs
 from replayssm_jax.pallas import common
 from tests.helpers import lower_for_h200, max_err, tolerance
-from tests.test_mamba2_ops import make_params, make_step, mamba2_step_f64
-from tests.test_mamba2_pallas import (DTYPES, NANO, SLOTS, SUPER, H, G, N, _assert_close,
-                                      _assert_untouched, _initial_states, _np, _params,
-                                      _production, _slots_at)
+from tests.test_mamba2_ops import make_step, mamba2_step_f64
+from tests.test_mamba2_pallas import (DTYPES, FIELDS, NANO, NUM_SLOTS, SLOTS, SUPER, H, G, N,
+                                      _assert_close, _assert_untouched, _initial_states, _np,
+                                      _params, _poisoned_buffers, _production, _replay, _slots_at)
 
 IMPL = "pallas_mosaic"
 P = 32
@@ -70,6 +70,56 @@ def test_decode_without_optional_inputs():
   _assert_close("pool", s, s_ref, tol)
 
 
+@pytest.mark.parametrize("buffer_len,dtypes", [(4, "f32"), (2, "bf16")])
+def test_replay_decode_parity(buffer_len, dtypes):
+  """Reconstruct route vs XLA and the float64 oracle: staggered rows, a padding row, forced and
+  natural flushes, windows that wrap the ring, NaN everywhere in the ring outside the windows;
+  non-flushing rows keep their checkpoint bit for bit and slots outside the batch are untouched."""
+  state_dtype, act_dtype = DTYPES[dtypes]
+  tol = tolerance(state_dtype, act_dtype)
+  rng = np.random.default_rng(20 + buffer_len)
+  params, jp = _params(rng)
+  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=buffer_len)
+  S0 = _initial_states(rng, P, state_dtype)
+  bufs = dict.fromkeys(("xla", IMPL), _poisoned_buffers(cursor, P, state_dtype, S0))
+  exact = np.asarray(_np(S0), np.float64)
+  flushes, wrapped = 0, False
+  for t in range(2 * buffer_len + 3):
+    slots = _slots_at(t)
+    live = np.asarray(slots) >= 0
+    rows = np.arange(len(SLOTS))
+    force = jnp.asarray(live & (((rows == 0) & (t == 0)) | ((rows == 2) & (t == 2))))
+    plan = cursor.plan(slots, force_flush=force)
+    flushes += int(np.sum(np.asarray(plan.flush)))
+    wrapped |= bool(np.any(live & (np.asarray(plan.base) + np.asarray(plan.count)
+                                   >= cursor.ring_size)))
+    step = make_step(rng, len(SLOTS), H, G, P, N)
+    out = {}
+    for impl in bufs:
+      before = bufs[impl]
+      out[impl], bufs[impl] = _replay(step, act_dtype, jp, before, plan, route="reconstruct",
+                                      implementation=impl)
+    after = bufs[IMPL]
+    for field in FIELDS:
+      _assert_untouched(field, getattr(before, field), getattr(after, field),
+                        np.asarray(slots)[live])
+    kept = np.asarray(slots)[live & ~np.asarray(plan.flush)]
+    assert np.asarray(before.state)[kept].tobytes() == np.asarray(after.state)[kept].tobytes()
+    assert np.all(_np(out[IMPL])[~live] == 0.0)
+    _assert_close(f"t={t} y", out[IMPL], out["xla"], tol)
+    for field in FIELDS:
+      _assert_close(f"t={t} {field}", getattr(after, field), getattr(bufs["xla"], field), tol)
+    cursor = cursor.commit(plan)
+    if dtypes == "f32":   # float64 oracle, independent of both implementations
+      sl = np.asarray(slots)[live]
+      y64, s64 = mamba2_step_f64(exact[sl], step.rounded().map(lambda a: a[live]), params)
+      exact[sl] = s64
+      assert max_err(_np(out[IMPL])[live], y64) <= tol
+      state = rs.mamba2.materialize(after, cursor, slots, implementation="xla")
+      assert max_err(_np(state)[live], s64) <= tol
+  assert flushes >= 2 and wrapped
+
+
 def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
   rng = np.random.default_rng(7)
   _, jp = _params(rng)
@@ -79,27 +129,56 @@ def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
   run = lambda: rs.mamba2.decode(j["x"], j["dt"], jp["A"], j["B"], j["C"], pool, slots,
                                  implementation=IMPL)
   assert "replayssm_mamba2_decode_mosaic" in str(jax.make_jaxpr(run)())
+  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)
+  bufs = _poisoned_buffers(cursor, P, "float32", pool)
+  replay = lambda route="auto": rs.mamba2.replay_decode(
+      j["x"], j["dt"], jp["A"], j["B"], j["C"], bufs, cursor.plan(slots), route=route,
+      implementation=IMPL)
+  assert "replayssm_mamba2_replay_mosaic" in str(jax.make_jaxpr(replay)())
+  with pytest.raises(NotImplementedError, match="reconstruct route"):
+    replay("output_only")
   # Compiling (not interpreting): 32-row tiles and N = 16 cannot take the WGMMA layouts.
   with common.force_lowering():
     with pytest.raises(NotImplementedError, match="P tile 32 of P=32.*N=16"):
       run()
+    with pytest.raises(NotImplementedError, match="N=16"):
+      replay()
 
 
-@pytest.mark.parametrize("state_dtype,geometry", [("float32", "super"), ("bfloat16", "super"),
-                                                  ("float32", "nano")])
-def test_lowers_for_h200(state_dtype, geometry):
-  """Super (P 64, N 128): one Mosaic kernel, the pool updated in place. Nano (P 80): no 64-row
-  tile divides P, so compiling refuses it (implementation=None then falls back)."""
-  slots, _, bufs, step, extra = _production(SUPER if geometry == "super" else NANO, 8, state_dtype)
-  lower = lambda: lower_for_h200(lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
-      x, dt, A, B, C, pool, s, z=x, implementation=IMPL, **extra), (0,), bufs.state, slots, *step)
+@pytest.mark.parametrize("kernel,state_dtype,buffer_len,geometry", [
+    ("decode", "float32", 8, "super"), ("decode", "bfloat16", 8, "super"),
+    ("decode", "float32", 8, "nano"), ("replay", "float32", 16, "super"),
+    ("replay", "bfloat16", 8, "super"), ("replay", "float32", 8, "nano")])
+def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
+  """Super (P 64, N 128): one Mosaic kernel, every donated buffer updated in place (pool; state
+  and the three rings). Nano (P 80): no 64-row tile divides P, so compiling refuses it
+  (implementation=None then falls back)."""
+  slots, cursor, bufs, step, extra = _production(SUPER if geometry == "super" else NANO,
+                                                 buffer_len, state_dtype)
+  if kernel == "decode":
+    lower = lambda: lower_for_h200(lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
+        x, dt, A, B, C, pool, s, z=x, implementation=IMPL, **extra), (0,), bufs.state, slots, *step)
+  else:
+    lower = lambda: lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
+        x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra), (0,), bufs, cursor.plan(slots),
+        *step)
   if geometry == "nano":
     with pytest.raises(NotImplementedError, match="P=80"):
       lower()
     return
   text = lower()
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
-  assert text.count("tf.aliasing_output") == 1
+  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4}[kernel]
+
+
+def test_softplus_without_log1p_is_f32_accurate():
+  """Mosaic GPU has no log1p: softplus through ``log1p_from_log`` stays within f32 rounding of the
+  float64 value over the range where exp(-|x|) does not underflow (naive log(1 + e) loses all
+  digits below |x| ≈ 17)."""
+  x = jnp.asarray(np.r_[np.linspace(-80.0, 30.0, 20001), 0.0, 1e-8, -1e-8], jnp.float32)
+  got = np.asarray(common.softplus(x, log1p=common.log1p_from_log), np.float64)
+  want = np.logaddexp(np.asarray(x, np.float64), 0.0)
+  assert np.max(np.abs(got - want) / want) < 4e-7
 
 
 def test_softplus_without_log1p_is_f32_accurate():

@@ -5,8 +5,8 @@ with H a multiple of G (head h reads group ``h // (H // G)``); pool / checkpoint
 slots int32[B] (negative = padding row); output [B, H, P] in x's dtype.
 
 Implementations: "xla" (mamba2/xla.py), "pallas_triton" (pallas/mamba2_triton.py, verify ops in
-pallas/mamba2_verify_triton.py; interpreted on CPU) and, for ``decode`` only, "pallas_mosaic"
-(pallas/mamba2_mosaic.py; Hopper, interpreted on CPU). ``implementation=None`` picks the fastest
+pallas/mamba2_verify_triton.py; interpreted on CPU) and, for ``decode`` and ``replay_decode``
+(reconstruct route), "pallas_mosaic" (pallas/mamba2_mosaic.py; Hopper, interpreted on CPU). ``implementation=None`` picks the fastest
 available and falls back to XLA where a kernel cannot handle the input (NotImplementedError).
 """
 import jax
@@ -113,8 +113,8 @@ def replay_decode(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
     bufs: mamba2.ReplayBuffers, updated in place under donation.
     plan: ReplayPlan from ``cursor.plan(slots)``.
     route: "output_only" (S_t·C from checkpoint and ring, never build S), "reconstruct" (rebuild
-      S_{t-1}) or "auto".
-    implementation: None (fastest available), "xla" or "pallas_triton".
+      S_{t-1}) or "auto" ("pallas_mosaic" implements the reconstruct route only).
+    implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic".
 
   Returns:
     (y [B, H, P] in x's dtype, bufs).
@@ -141,8 +141,13 @@ def replay_decode(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
     return mamba2_triton.replay_decode(x, dt, A, B, C, bufs, plan, D=D, z=z, dt_bias=dt_bias,
                                        dt_softplus=softplus, route=route)
 
+  def run_mosaic():
+    from replayssm_jax.pallas import mamba2_mosaic
+    return mamba2_mosaic.replay_decode(x, dt, A, B, C, bufs, plan, D=D, z=z, dt_bias=dt_bias,
+                                       dt_softplus=softplus, route=route)
+
   return _dispatch.run("mamba2.replay_decode", implementation,
-                       {"xla": run_xla, "pallas_triton": run_triton})
+                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic})
 
 
 _jit_xla_replay = jax.jit(xla.replay_decode, static_argnames=("dt_softplus", "route"))

@@ -6,6 +6,13 @@ Same op semantics as mamba2_triton.py; ``kernel → builder → public wrapper``
   TMA-gathers the [BP, N] state tile of its row's slot into SMEM, steps it once
   (``S ← e^{ΔA} S + Δx Bᵀ``, ``y = S C + D x``, gated by ``silu(z)``) and TMA-writes it back in
   place (the pool is a written Ref: aliased, never copied).
+* ``replay_decode``: the reconstruct route, grid (P/BP, H, B). A program TMA-stages the
+  checkpoint tile and the row's ring tiles (Δx [R, BP] of its head, B [R, N] of its group, ΔA
+  [R]), replays the window ``[base, base + count)`` into the tile entry by entry
+  (``S ← e^{ΔA_j} S + Δx_j B_jᵀ``, GDN's ``_fold_window``: the same recurrence), steps the token,
+  writes y and appends (Δx, B, ΔA) at ring index ``base + count``; a flushing row TMA-writes the
+  tile (window + token) into its checkpoint in the same program. Entries outside the window are
+  staged but never read. The output-only route is not implemented here (NotImplementedError).
 
 Everything is float32 multiply-and-reduce, never wgmma (Mosaic f32 wgmma is TF32). Padding rows
 (slot < 0) gather slot 0 (harmless), produce zero output and write nothing.
@@ -25,12 +32,42 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from replayssm_jax import config as config_lib
+from replayssm_jax.cursor import ReplayPlan
+from replayssm_jax.mamba2.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
-from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _fit, _interpret,
-                                             _require_lowerable, _smem_bytes, _vec, _zeros)
+from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _fit, _fold_window, _interpret,
+                                             _require_lowerable, _smem_bytes, _stage_ring, _vec,
+                                             _wait_all, _zeros)
 
 f32 = jnp.float32
 _ROW_N, _COL_P = _ROW_K, _COL_V   # the GDN [V, K] tile's layouts, read as Mamba2's [P, N]
+
+
+def _token(r, b, h, tile, softplus):
+  """(ΔA, Δx [BP], x [BP]) of row b, head h: Δ = softplus(dt + dt_bias), float32."""
+  dt = r["dt"][b, h].astype(f32)
+  if "dt_bias" in r:
+    dt = dt + r["dt_bias"][h].astype(f32)
+  delta = common.softplus(dt, log1p=common.log1p_from_log) if softplus else dt
+  x = _vec(r["x"].at[b, h, tile], _COL_P)
+  return delta * r["A"][h].astype(f32), delta * x, x
+
+
+def _step(r, b, h, g, tile, S, dA, dx, x):
+  """(S_t = e^{ΔA} S + Δx Bᵀ, (S_t C + D x) · silu(z)) on a float32 [BP, N] tile."""
+  S = jnp.exp(dA) * S + dx[:, None] * _vec(r["B"].at[b, g], _ROW_N)[None, :]
+  y = jnp.sum(S * _vec(r["C"].at[b, g], _ROW_N)[None, :], axis=1)
+  if "D" in r:
+    y = y + r["D"][h].astype(f32) * x
+  if "z" in r:
+    y = common.silu_gate(y, _vec(r["z"].at[b, h, tile], _COL_P))
+  return S, y
+
+
+def _step_inputs(slots, x, dt, A, B, C, D, z, dt_bias) -> dict:
+  given = {"slots": slots, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z,
+           "dt_bias": dt_bias}
+  return {k: v for k, v in given.items() if v is not None}
 
 
 def _decode_kernel(*refs, S_smem, bar, names, group, block_p, softplus):
@@ -39,22 +76,9 @@ def _decode_kernel(*refs, S_smem, bar, names, group, block_p, softplus):
   s = r["slots"][b]
   tile = pl.ds(pt * block_p, block_p)
   plgpu.copy_gmem_to_smem(r["pool"].at[jnp.maximum(s, 0), h, tile], S_smem, bar)
-  g = h // group
-  dt = r["dt"][b, h].astype(f32)
-  if "dt_bias" in r:
-    dt = dt + r["dt_bias"][h].astype(f32)
-  delta = common.softplus(dt, log1p=common.log1p_from_log) if softplus else dt
-  x = _vec(r["x"].at[b, h, tile], _COL_P)
-  Bt = _vec(r["B"].at[b, g], _ROW_N)
-  C = _vec(r["C"].at[b, g], _ROW_N)
+  dA, dx, x = _token(r, b, h, tile, softplus)
   plgpu.barrier_wait(bar)
-  S = plgpu.load(S_smem, layout=_TILE).astype(f32)                  # [BP, N]
-  S = jnp.exp(delta * r["A"][h].astype(f32)) * S + (delta * x)[:, None] * Bt[None, :]
-  y = jnp.sum(S * C[None, :], axis=1)
-  if "D" in r:
-    y = y + r["D"][h].astype(f32) * x
-  if "z" in r:
-    y = common.silu_gate(y, _vec(r["z"].at[b, h, tile], _COL_P))
+  S, y = _step(r, b, h, h // group, tile, plgpu.load(S_smem, layout=_TILE).astype(f32), dA, dx, x)
 
   @pl.when(s >= 0)
   def _():
@@ -69,12 +93,57 @@ def _decode_kernel(*refs, S_smem, bar, names, group, block_p, softplus):
     r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
 
 
+def _replay_kernel(*refs, S_smem, rB_smem, rx_smem, ra_smem, bars, names, group, block_p,
+                   ring_size, softplus):
+  r = dict(zip(names, refs))
+  pt, h, b = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
+  s = r["slots"][b]
+  ss = jnp.maximum(s, 0)   # padding rows stage slot 0 (harmless) and write nothing
+  tile = pl.ds(pt * block_p, block_p)
+  g = h // group
+  # Barriers 0-2: the ring (B of the group, ΔA, Δx of the head; see gdn_mosaic._stage_ring), 3: the tile.
+  plgpu.copy_gmem_to_smem(r["state"].at[ss, h, tile], S_smem, bars.at[3])
+  _stage_ring(r["ring_B"], r["ring_x"], r["ring_a"], ss, g, h, 1, tile, rB_smem, rx_smem, ra_smem,
+              bars)
+  base, count = r["base"][b], r["count"][b]
+  put = (base + count) % ring_size                                 # this token's ring index
+  dA, dx, x = _token(r, b, h, tile, softplus)
+  _wait_all(bars, 4)
+  S = plgpu.load(S_smem, layout=_TILE).astype(f32)                  # [BP, N] checkpoint
+  S = _fold_window(S, rB_smem, rx_smem.at[0], ra_smem.at[0], base, count, ring_size)  # S_{t-1}
+  S, y = _step(r, b, h, g, tile, S, dA, dx, x)
+  valid = s >= 0
+
+  @pl.when(valid)
+  def _():
+    r["y_out"][b, h, tile] = y.astype(r["y_out"].dtype)
+    r["ring_x"][s, h, put, tile] = dx.astype(r["ring_x"].dtype)
+
+    @pl.when(pt == 0)  # ΔA is per head, B per group, not per P tile: one program appends each
+    def _():
+      r["ring_a"][s, h, put] = dA
+
+      @pl.when(h % group == 0)
+      def _():
+        r["ring_B"][s, g, put] = _vec(r["B"].at[b, g], _ROW_N).astype(r["ring_B"].dtype)
+
+  @pl.when(~valid)
+  def _():
+    r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
+
+  @pl.when(valid & (r["flush"][b] != 0))  # checkpoint ← window + this token
+  def _():
+    S_smem[...] = S.astype(S_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(S_smem, r["state"].at[s, h, tile])
+
+  plgpu.wait_smem_to_gmem(0)
+
+
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
 def _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, *, dt_softplus, cfg, interpret):
   batch, h, p = x.shape
-  given = {"slots": slots, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z,
-           "dt_bias": dt_bias}
-  inputs = {k: v for k, v in given.items() if v is not None}
+  inputs = _step_inputs(slots, x, dt, A, B, C, D, z, dt_bias)
   pool_ref = jax.new_ref(pool)   # written Ref operand: updated in place (aliased under donation)
   kernel = functools.partial(_decode_kernel, names=(*inputs, "pool", "y_out"),
                              group=h // B.shape[1], block_p=cfg.block_v, softplus=dt_softplus)
@@ -86,6 +155,30 @@ def _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, *, dt_softplus, cfg, int
       kernel_name="replayssm_mamba2_decode_mosaic", interpret=_interpret(interpret),
   )(*inputs.values(), pool_ref)
   return y, jax.freeze(pool_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
+def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cfg, interpret):
+  batch, h, p = x.shape
+  r, n, bp = bufs.ring_size, bufs.state_dim, cfg.block_v
+  inputs = {**_step_inputs(plan.slots, x, dt, A, B, C, D, z, dt_bias), "base": plan.base,
+            "count": plan.count, "flush": plan.flush.astype(jnp.int32)}
+  names = ("state", "ring_x", "ring_B", "ring_a")
+  refs = [jax.new_ref(getattr(bufs, k)) for k in names]   # written Refs: updated in place
+  kernel = functools.partial(_replay_kernel, names=(*inputs, *names, "y_out"),
+                             group=h // bufs.num_groups, block_p=bp, ring_size=r,
+                             softplus=dt_softplus)
+  y = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      grid=(p // bp, h, batch), grid_names=("pt", "h", "b"),
+      scratch_types={"S_smem": plgpu.SMEM((bp, n), bufs.state.dtype),
+                     "rB_smem": plgpu.SMEM((r, n), bufs.ring_B.dtype),
+                     "rx_smem": plgpu.SMEM((1, r, bp), bufs.ring_x.dtype),
+                     "ra_smem": plgpu.SMEM((1, r), f32),
+                     "bars": plgpu.Barrier(num_barriers=4)},
+      kernel_name="replayssm_mamba2_replay_mosaic", interpret=_interpret(interpret),
+  )(*inputs.values(), *refs)
+  return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
 
 
 def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=None):
@@ -104,3 +197,30 @@ def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=N
                      smem=_smem_bytes(cfg.block_v, n, heads=1, state_dtype=pool.dtype))
   return _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, dt_softplus=dt_softplus, cfg=cfg,
                  interpret=common.interpret_mode())
+
+
+def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z, dt_bias,
+                  dt_softplus, route="auto", block_p=None):
+  """ReplaySSM Mamba2 decode (one token per row) on the reconstruct route, flush fused.
+
+  ``route`` "auto" or "reconstruct" ("output_only" raises NotImplementedError); ``block_p``
+  overrides the config's P tile. Returns (y [B, H, P] in x.dtype, bufs).
+  """
+  op = "mamba2.replay_decode[pallas_mosaic]"
+  if plan.num_tokens != 1:
+    raise NotImplementedError(f"{op}: plans with num_tokens={plan.num_tokens} (verify) are not "
+                              f"supported by this kernel")
+  if route == "output_only":
+    raise NotImplementedError(f"{op}: only the reconstruct route is implemented")
+  p, n = bufs.head_dim, bufs.state_dim
+  cfg = _fit(config_lib.mosaic_mamba2_replay_config(device_kind=common.device_kind(), head_dim=p),
+             p, block_p)
+  if p % cfg.block_v:
+    raise NotImplementedError(f"{op}: P tile {cfg.block_v} does not divide P={p}")
+  smem = _smem_bytes(cfg.block_v, n, heads=1, state_dtype=bufs.state.dtype,
+                     ring_size=bufs.ring_size, ring_dtype=bufs.ring_x.dtype)
+  _require_lowerable(op, head_k_dim=n, head_v_dim=p, block_v=cfg.block_v,
+                     ring_size=bufs.ring_size, smem=smem, dims=("P", "N"),
+                     ring_itemsize=jnp.dtype(bufs.ring_x.dtype).itemsize)
+  return _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
+                        cfg=cfg, interpret=common.interpret_mode())
