@@ -56,6 +56,7 @@ ARMS = {a.name: a for a in (
     Arm("replay-xla-rc", "replay", "xla", "reconstruct"),
     Arm("conv-mosaic", "conv", "pallas_mosaic"),
     Arm("replay-mosaic", "replay", "pallas_mosaic", "output_only"),
+    Arm("replay-mosaic-rc", "replay", "pallas_mosaic", "reconstruct"),
     # The small-batch policy: cursor.plan(flush_all=True), one fold-and-step pass per layer (its
     # %-of-ceiling column uses the replay byte model; the speed-up column is what it is for).
     Arm("replay-pallas-flushall", "replay", "pallas_triton", "output_only", flush_all=True),

@@ -14,6 +14,8 @@ Arms (``--arms``): ``conv-pallas`` (rs.mamba2.decode, pallas_triton), ``replay-p
 ``conv-xla``, ``replay-xla`` (route output_only). XLA arms run only at ``--xla-batches``.
 ``replay-pallas-flushall`` (not in the default set): every step ``cursor.plan(flush_all=True)``,
 the small-batch policy's plan, through the same replay kernel (every row takes its flush path).
+``conv-mosaic`` / ``replay-mosaic-rc`` (not in the default set): implementation="pallas_mosaic",
+the Mosaic GPU decode and the reconstruct-route replay kernel.
 ``--configs`` adds one row per Pallas launch config: tokens ``bv`` (block_p, P rows per program),
 ``bk`` (block_n, N chunk of the rebuild), ``w`` (warps), ``s`` (stages); ``--heads`` sets the
 replay step's heads per program. ``default`` = the config module's choice through the public op.
@@ -67,7 +69,7 @@ class Geometry:
 
 NEMOTRON_SUPER = Geometry(h=128, g=8, p=64, n=128)
 SMOKE = Geometry(h=4, g=2, p=8, n=16)
-ARMS = harness.STANDARD_ARMS + ("replay-pallas-flushall",)
+ARMS = harness.STANDARD_ARMS + ("replay-pallas-flushall", "conv-mosaic", "replay-mosaic-rc")
 DEFAULT_ARMS = harness.STANDARD_ARMS
 _KNOBS = {"block_v": "block_p", "block_k": "block_n", "num_warps": "num_warps",
           "num_stages": "num_stages"}

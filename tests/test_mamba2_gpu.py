@@ -1,4 +1,4 @@
-"""GPU-only checks of the compiled Pallas-Triton Mamba2 kernels (marker ``gpu``; skipped on CPU).
+"""GPU-only checks of the compiled Pallas Mamba2 kernels, Triton and Mosaic (marker ``gpu``; skipped on CPU).
 
 Interpret mode hides what only the compiled kernels show: TF32 dots, lowering of masked loads,
 register-level layouts. These tests run the real kernels at production geometry (Nemotron-3-Super:
