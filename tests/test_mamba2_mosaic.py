@@ -70,7 +70,9 @@ def test_decode_without_optional_inputs():
   _assert_close("pool", s, s_ref, tol)
 
 
-@pytest.mark.parametrize("buffer_len,dtypes", [(4, "f32"), (2, "bf16")])
+# f32 only: the bf16 state's store cast is the decode kernel's (tested above), and each
+# interpreted replay case costs ~15-25 s of CPU CI.
+@pytest.mark.parametrize("buffer_len,dtypes", [(4, "f32")])
 def test_replay_decode_parity(buffer_len, dtypes):
   """Reconstruct route vs XLA and the float64 oracle: staggered rows, a padding row, forced and
   natural flushes, windows that wrap the ring, NaN everywhere in the ring outside the windows;
