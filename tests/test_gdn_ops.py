@@ -247,8 +247,10 @@ def test_f32_tolerance_catches_a_tf32_dot():
   assert h.max("out") < tolerance(*F32) / 4
 
 
+# The reconstruct route at real head counts is covered by the lowering tests; interpreting it at
+# the 122B geometry cost 50 s of CPU CI.
 GEOMETRY_CASES = [("small", "output_only"), ("small", "reconstruct"),
-                  ("qwen35_4b", "output_only"), ("qwen35_122b", "reconstruct")]
+                  ("qwen35_4b", "output_only"), ("qwen35_122b", "output_only")]
 
 
 @pytest.mark.parametrize("geometry,route", GEOMETRY_CASES, ids=lambda x: x)
