@@ -121,6 +121,15 @@ def test_decode_parity(dtypes):
 
 @pytest.mark.parametrize("buffer_len,route,dtypes,p", REPLAY_CASES)
 def test_replay_decode_parity(buffer_len, route, dtypes, p):
+  replay_parity("pallas_triton", buffer_len, route, dtypes, p,
+                materialize_impl="pallas_triton" if buffer_len == 4 else "xla")
+
+
+def replay_parity(impl, buffer_len, route, dtypes, p, *, materialize_impl):
+  """``impl`` vs XLA and the float64 oracle over 2L + 3 steps: staggered rows, a padding row,
+  forced and natural flushes, windows that wrap the ring, NaN in the ring outside every window;
+  non-flushing rows keep their checkpoint bit for bit, slots outside the batch are untouched.
+  States are materialized through ``materialize_impl``."""
   state_dtype, act_dtype = DTYPES[dtypes]
   tol = tolerance(state_dtype, act_dtype)
   rng = np.random.default_rng(buffer_len + p)
@@ -128,7 +137,7 @@ def test_replay_decode_parity(buffer_len, route, dtypes, p):
   cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=buffer_len)
   S0 = _initial_states(rng, p, state_dtype)
   bufs = {"xla": _poisoned_buffers(cursor, p, state_dtype, S0),
-          "pallas_triton": _poisoned_buffers(cursor, p, state_dtype, S0)}
+          impl: _poisoned_buffers(cursor, p, state_dtype, S0)}
   exact = np.asarray(_np(S0), np.float64)   # float64 oracle state per slot
   flushes, wrapped = 0, False
   for t in range(2 * buffer_len + 3):
@@ -144,35 +153,34 @@ def test_replay_decode_parity(buffer_len, route, dtypes, p):
     wrapped |= bool(np.any(live & (ends >= cursor.ring_size)))
     step = make_step(rng, len(SLOTS), H, G, p, N)
     out = {}
-    for impl in bufs:
-      before = bufs[impl]
-      out[impl], bufs[impl] = _replay(step, act_dtype, jp, before, plan, route=route,
-                                      implementation=impl)
-      if impl == "pallas_triton":
+    for name in bufs:
+      before = bufs[name]
+      out[name], bufs[name] = _replay(step, act_dtype, jp, before, plan, route=route,
+                                      implementation=name)
+      if name == impl:
         for field in FIELDS:
-          _assert_untouched(field, getattr(before, field), getattr(bufs[impl], field),
+          _assert_untouched(field, getattr(before, field), getattr(bufs[name], field),
                             np.asarray(slots)[live])
         # Non-flushing rows never write their checkpoint.
         kept = np.asarray(slots)[live & ~np.asarray(plan.flush)]
         assert (np.asarray(before.state)[kept].tobytes()
-                == np.asarray(bufs[impl].state)[kept].tobytes())
-    assert np.all(_np(out["pallas_triton"])[~live] == 0.0)
-    _assert_close(f"t={t} y", out["pallas_triton"], out["xla"], tol)
+                == np.asarray(bufs[name].state)[kept].tobytes())
+    assert np.all(_np(out[impl])[~live] == 0.0)
+    _assert_close(f"t={t} y", out[impl], out["xla"], tol)
     for field in FIELDS:
-      _assert_close(f"t={t} {field}", getattr(bufs["pallas_triton"], field),
+      _assert_close(f"t={t} {field}", getattr(bufs[impl], field),
                     getattr(bufs["xla"], field), tol)
     cursor = cursor.commit(plan)
-    mat_impl = "pallas_triton" if buffer_len == 4 else "xla"
-    states = {impl: rs.mamba2.materialize(bufs[impl], cursor, slots, implementation=mat_impl)
-              for impl in bufs}
-    _assert_close(f"t={t} materialize", states["pallas_triton"], states["xla"], tol)
-    assert np.all(_np(states["pallas_triton"])[~live] == 0.0)
+    states = {name: rs.mamba2.materialize(bufs[name], cursor, slots, implementation=materialize_impl)
+              for name in bufs}
+    _assert_close(f"t={t} materialize", states[impl], states["xla"], tol)
+    assert np.all(_np(states[impl])[~live] == 0.0)
     if dtypes == "f32":   # float64 oracle, independent of both implementations
       sl = np.asarray(slots)[live]
       y64, s64 = mamba2_step_f64(exact[sl], step.rounded().map(lambda a: a[live]), params)
       exact[sl] = s64
-      assert max_err(_np(out["pallas_triton"])[live], y64) <= tol
-      assert max_err(_np(states["pallas_triton"])[live], s64) <= tol
+      assert max_err(_np(out[impl])[live], y64) <= tol
+      assert max_err(_np(states[impl])[live], s64) <= tol
   assert flushes >= 2
   assert wrapped or buffer_len == 1
 
