@@ -13,12 +13,11 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax.pallas import common
-from tests.helpers import lower_for_h200, max_err, tolerance
-from tests.test_mamba2_ops import make_step, mamba2_step_f64
-from tests.test_mamba2_pallas import (DTYPES, NANO, NUM_SLOTS, SLOTS, SUPER, H, G, N,
-                                      _assert_close, _assert_untouched, _initial_states, _np,
-                                      _params, _poisoned_buffers, _production, _slots_at,
-                                      replay_parity)
+from tests.helpers import lower_for_h200, tolerance
+from tests.test_mamba2_ops import make_step
+from tests.test_mamba2_pallas import (NANO, NUM_SLOTS, SLOTS, SUPER, H, G, N, _assert_close,
+                                      _initial_states, _params, _poisoned_buffers, _production,
+                                      _slots_at, decode_parity, replay_parity)
 
 IMPL = "pallas_mosaic"
 P = 32
@@ -27,42 +26,20 @@ P = 32
 @pytest.mark.parametrize("dtypes", ["f32", "bf16"])
 def test_decode_parity(dtypes):
   """Three steps with D, z and dt_bias: Mosaic == XLA, the float64 oracle (f32), padding inert."""
-  state_dtype, act_dtype = DTYPES[dtypes]
-  tol = tolerance(state_dtype, act_dtype)
-  rng = np.random.default_rng(5)
-  params, jp = _params(rng)
-  pools = dict.fromkeys(("xla", IMPL), _initial_states(rng, P, state_dtype))
-  exact = np.asarray(_np(pools["xla"]), np.float64)
-  for t in range(3):
-    slots = _slots_at(t)
-    live = np.asarray(slots) >= 0
-    a = make_step(rng, len(SLOTS), H, G, P, N)
-    j = a.as_jax(act_dtype)
-    out = {}
-    for impl in pools:
-      before = pools[impl]
-      out[impl], pools[impl] = rs.mamba2.decode(
-          j["x"], j["dt"], jp["A"], j["B"], j["C"], before, slots, D=jp["D"], z=j["z"],
-          dt_bias=jp["dt_bias"], implementation=impl)
-    _assert_untouched("pool", before, pools[IMPL], np.asarray(slots)[live])
-    assert np.all(_np(out[IMPL])[~live] == 0.0)
-    _assert_close(f"t={t} y", out[IMPL], out["xla"], tol)
-    _assert_close(f"t={t} pool", pools[IMPL], pools["xla"], tol)
-    if state_dtype == "float32":
-      sl = np.asarray(slots)[live]
-      y64, s64 = mamba2_step_f64(exact[sl], a.rounded().map(lambda x: x[live]), params)
-      exact[sl] = s64
-      assert max_err(_np(out[IMPL])[live], y64) <= tol
-      assert max_err(_np(pools[IMPL])[sl], s64) <= tol
+  decode_parity(IMPL, dtypes, P, seed=5)
+
+
+def _one_step(seed):
+  """(params, f32 pool, one step's inputs, slots) for single-call checks."""
+  rng = np.random.default_rng(seed)
+  _, jp = _params(rng)
+  pool = _initial_states(rng, P, "float32")
+  return jp, pool, make_step(rng, len(SLOTS), H, G, P, N).as_jax("float32"), _slots_at(2)
 
 
 def test_decode_without_optional_inputs():
   """D, z, dt_bias absent and dt_softplus off: the kernel drops those terms like XLA does."""
-  rng = np.random.default_rng(6)
-  _, jp = _params(rng)
-  pool = _initial_states(rng, P, "float32")
-  j = make_step(rng, len(SLOTS), H, G, P, N).as_jax("float32")
-  slots = _slots_at(2)
+  jp, pool, j, slots = _one_step(6)
   run = lambda impl: rs.mamba2.decode(j["x"], j["dt"], jp["A"], j["B"], j["C"], pool, slots,
                                       dt_softplus=False, implementation=impl)
   (y, s), (y_ref, s_ref) = run(IMPL), run("xla")
@@ -79,11 +56,7 @@ def test_replay_decode_parity():
 
 
 def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
-  rng = np.random.default_rng(7)
-  _, jp = _params(rng)
-  pool = _initial_states(rng, P, "float32")
-  j = make_step(rng, len(SLOTS), H, G, P, N).as_jax("float32")
-  slots = _slots_at(2)
+  jp, pool, j, slots = _one_step(7)
   run = lambda: rs.mamba2.decode(j["x"], j["dt"], jp["A"], j["B"], j["C"], pool, slots,
                                  implementation=IMPL)
   assert "replayssm_mamba2_decode_mosaic" in str(jax.make_jaxpr(run)())

@@ -181,18 +181,23 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
   return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
 
 
+def _p_tile(op, config, head_dim, block_p):
+  """The config's P tile (``block_p`` overrides it); NotImplementedError unless it divides P."""
+  cfg = _fit(config(device_kind=common.device_kind(), head_dim=head_dim), head_dim, block_p)
+  if head_dim % cfg.block_v:
+    raise NotImplementedError(f"{op}: P tile {cfg.block_v} does not divide P={head_dim}")
+  return cfg
+
+
 def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=None):
   """Conventional Mamba2 decode step over a slot pool. Returns (y [B, H, P] in x.dtype, pool).
 
   ``block_p`` overrides the config's P tile (rows of the [BP, N] state tile per program).
   """
+  op = "mamba2.decode[pallas_mosaic]"
   _, _, p, n = pool.shape
-  cfg = _fit(config_lib.mosaic_mamba2_decode_config(device_kind=common.device_kind(), head_dim=p),
-             p, block_p)
-  if p % cfg.block_v:
-    raise NotImplementedError(f"mamba2.decode[pallas_mosaic]: P tile {cfg.block_v} does not "
-                              f"divide P={p}")
-  _require_lowerable("mamba2.decode[pallas_mosaic]", head_k_dim=n, head_v_dim=p,
+  cfg = _p_tile(op, config_lib.mosaic_mamba2_decode_config, p, block_p)
+  _require_lowerable(op, head_k_dim=n, head_v_dim=p,
                      block_v=cfg.block_v, ring_size=0, dims=("P", "N"),
                      smem=_smem_bytes(cfg.block_v, n, heads=1, state_dtype=pool.dtype))
   return _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, dt_softplus=dt_softplus, cfg=cfg,
@@ -213,10 +218,7 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   if route == "output_only":
     raise NotImplementedError(f"{op}: only the reconstruct route is implemented")
   p, n = bufs.head_dim, bufs.state_dim
-  cfg = _fit(config_lib.mosaic_mamba2_replay_config(device_kind=common.device_kind(), head_dim=p),
-             p, block_p)
-  if p % cfg.block_v:
-    raise NotImplementedError(f"{op}: P tile {cfg.block_v} does not divide P={p}")
+  cfg = _p_tile(op, config_lib.mosaic_mamba2_replay_config, p, block_p)
   smem = _smem_bytes(cfg.block_v, n, heads=1, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_x.dtype)
   _require_lowerable(op, head_k_dim=n, head_v_dim=p, block_v=cfg.block_v,
