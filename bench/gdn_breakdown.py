@@ -20,7 +20,7 @@ import replayssm_jax as rs
 from bench import common
 from replayssm_jax import config as config_lib
 from replayssm_jax.pallas import common as pallas_common
-from replayssm_jax.pallas import gdn_triton
+from replayssm_jax.pallas import fold_triton, gdn_triton
 from replayssm_jax.pallas import gdn_verify_triton
 
 HK, HV, KD, VD = 16, 32, 128, 128
@@ -158,9 +158,10 @@ def main(argv=None):
     def fn(b, slots):
       flush = (count == L - 1) if active else jnp.zeros_like(count, bool)
       rows = jnp.nonzero(flush, size=B, fill_value=0)[0].astype(jnp.int32)
-      return b.replace(state=gdn_triton._fold(
-          b, slots, base, jnp.where(flush, L, 0), rows, jnp.sum(flush), cfg=cfg.fold,
-          row_slots=cfg.fold_rows, interpret=INTERPRET, into_checkpoint=True))
+      return b.replace(state=fold_triton.fold(
+          b.state, b.ring_k, b.ring_u, b.ring_g, slots, base, jnp.where(flush, L, 0), rows,
+          jnp.sum(flush), cfg=cfg.fold, row_slots=cfg.fold_rows, interpret=INTERPRET,
+          into_checkpoint=True, name="replayssm_gdn_fold"))
     return fn
 
   def conventional(b, slots):

@@ -17,15 +17,16 @@ the small-batch policy's plan, through the same replay kernel (every row takes i
 ``conv-mosaic`` / ``replay-mosaic-rc`` (not in the default set): implementation="pallas_mosaic",
 the Mosaic GPU decode and the reconstruct-route replay kernel.
 ``--configs`` adds one row per Pallas launch config: tokens ``bv`` (block_p, P rows per program),
-``bk`` (block_n, N chunk of the rebuild), ``w`` (warps), ``s`` (stages); ``--heads`` sets the
-replay step's heads per program. ``default`` = the config module's choice through the public op.
+``bk`` (block_n, N chunk of the rebuild), ``w`` (warps), ``s`` (stages), and for the output-only
+route's fold pass ``fbv`` / ``fbk`` (its [P, N] tile), ``fw`` (warps), ``fr`` (row slots);
+``--heads`` sets the replay step's heads per program. ``default`` = the config module's choice through the public op.
 
 Method: as bench/gdn_decode.py (the shared harness is bench/harness.py). P layers with their own
 state (P = max(``--min-layers``, ceil(``--target-bytes`` / pool)): P·pool ≥ 1 GiB and at least 8
 layers share each step's cursor plan and commit), many steps inside one ``jax.jit`` with buffers
 donated, honest full cycles of L steps (one ``cursor.plan`` per step shared by all layers,
 ``cursor.commit`` after; rows at staggered phases, every row flushes once per cycle, the fold
-fused into the step). Random data everywhere (counter-based hash), a bank of ``--bank`` input
+pass included). Random data everywhere (counter-based hash), a bank of ``--bank`` input
 sets. Before timing, a gate: the arm's first step (layer 0) vs implementation="xla" (output and
 written state/ring rows) and the first rows' output vs an independent float64 numpy oracle. After
 timing: replay cursors back at their starting counts with bases advanced L per cycle. Copy
@@ -72,7 +73,8 @@ SMOKE = Geometry(h=4, g=2, p=8, n=16)
 ARMS = harness.STANDARD_ARMS + ("replay-pallas-flushall", "conv-mosaic", "replay-mosaic-rc")
 DEFAULT_ARMS = harness.STANDARD_ARMS
 _KNOBS = {"block_v": "block_p", "block_k": "block_n", "num_warps": "num_warps",
-          "num_stages": "num_stages"}
+          "num_stages": "num_stages", "fold_block_v": "fold_block_p", "fold_block_k": "fold_block_n",
+          "fold_num_warps": "fold_num_warps", "fold_rows": "fold_rows"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,8 +133,8 @@ def layer_op(case: harness.Case):
   if arm.impl == "pallas_triton" and not (cfg.is_default and case.heads is None):
     from replayssm_jax.pallas import mamba2_triton  # noqa: PLC0415
     kw = {_KNOBS[k]: v for k, v in cfg.kwargs(_KNOBS).items()}
-    if arm.family == "conv":
-      kw.pop("block_n", None)
+    if arm.family == "conv":  # one [BP, N] tile: no rebuild chunk, no fold pass
+      kw = {k: v for k, v in kw.items() if k in ("block_p", "num_warps", "num_stages")}
       return lambda x, dt, B, C, z, pr, pool, slots: mamba2_triton.decode(
           x, dt, pr["A"], B, C, pool, slots, D=pr["D"], z=z, dt_bias=pr["dt_bias"],
           dt_softplus=True, **kw)

@@ -266,13 +266,27 @@ class Mamba2Config:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Mamba2ReplayConfig:
-  """The replay step (flush fold fused in) and its compute route."""
+  """The replay step and its compute route; for the output-only route also the flush-fold pass
+  (pallas/fold_triton.py: tile ``fold`` [block_v = P rows, block_k = N columns], ``fold_rows`` row
+  slots). The reconstruct route stores flushing rows in its own launch (``fold`` is None)."""
   step: Mamba2Config
   route: str
+  fold: KernelConfig | None = None
+  fold_rows: int = 1
 
   def __post_init__(self):
     if self.route not in ROUTES:
       raise ValueError(f"route={self.route!r}; expected one of {ROUTES}")
+    if self.route == "output_only" and self.fold is None:
+      raise ValueError("route='output_only' needs a fold config (its flush pass)")
+    if not isinstance(self.fold_rows, int) or self.fold_rows < 1:
+      raise ValueError(f"fold_rows={self.fold_rows!r}; expected an int >= 1")
+
+
+def _mamba2_fold(device_kind: str, head_dim: int, state_dim: int, ring_size: int) -> KernelConfig:
+  """The flush-fold tile for a [P, N] head: GDN's fold tile for a [V, K] head (the same kernel and
+  the same sizes: P = 64 ~ V = 128 rows, N = K = 128), its rows a power of two dividing P."""
+  return _fold_tile(device_kind, state_dim, ring_size).fit(_pow2_part(head_dim), state_dim)
 
 
 def mamba2_decode_config(*, device_kind: str, state_dtype, head_dim: int, state_dim: int,
@@ -293,8 +307,9 @@ def mamba2_decode_config(*, device_kind: str, state_dtype, head_dim: int, state_
 
 def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_dim: int,
                          num_heads: int, num_groups: int, batch: int, buffer_len: int,
-                         route: str = "auto") -> Mamba2ReplayConfig:
-  """Replay step, grid (P/BP, H/heads, B); ``route`` "auto" picks the route."""
+                         ring_size: int, route: str = "auto") -> Mamba2ReplayConfig:
+  """Replay step, grid (P/BP, H/heads, B), and for the output-only route the fold pass, grid
+  (P/BP · N/BN, H, fold_rows); ``route`` "auto" picks the route."""
   if route == "auto":
     # H200 2026-11-29, Nemotron-3-Super layer, f32 state, bf16 ring, vs conv-pallas in the same run
     # (bench/RESULTS.md, session 4): reconstruct 1.20x / 1.09x at B = 32, L = 4 / 8 (output-only
@@ -313,8 +328,7 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
                        num_warps=4)
   elif route == "output_only":
     # *untuned*: [32, 128] checkpoint tiles (GDN's best replay tile had 64×64 = the same 4096
-    # elements); 4 heads per program share B_j·C; the flush fold walks N in chunks of 32 so its
-    # [32, 32] accumulator stays small (it is compiled into every program).
+    # elements); 4 heads per program share B_j·C.
     cfg = Mamba2Config(block_p=32, block_n=32, heads=4, num_warps=2)
   else:
     # *untuned*: reconstruct rebuilds [BP, block_n] chunks for every row; nothing is shared
@@ -324,7 +338,13 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
   if not _is_cpu(device_kind) and batch * (num_heads // cfg.heads) * (head_dim // cfg.block_p) < 2 * 132:
     # *untuned*: fewer than two programs per H200 SM leaves SMs idle; one head per program.
     cfg = cfg.override(heads=1)
-  return Mamba2ReplayConfig(step=cfg, route=route)
+  if route == "reconstruct":
+    return Mamba2ReplayConfig(step=cfg, route=route)
+  # Output-only: a separate fold pass over the flushing rows, as GDN (bench/NOTES.md item 8: a fold
+  # branch inside the step kernel costs every program occupancy); sized as GDN's fold_rows.
+  return Mamba2ReplayConfig(step=cfg, route=route,
+                            fold=_mamba2_fold(device_kind, head_dim, state_dim, ring_size),
+                            fold_rows=min(batch, _next_pow2(-(-2 * batch // buffer_len))))
 
 
 def mamba2_flush_decode_config(*, device_kind: str, state_dtype, head_dim: int,
@@ -419,13 +439,17 @@ def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   # the output-only default, a route now taken only by name.
   readout = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                           head_v_dim=head_v_dim, batch=batch)
-  # A row's window grows by (T + 1) / 2 tokens per step on average (random accepts) and flushes once
-  # it exceeds L - 1 - T: about B (T + 1) / (2 (L - T)) flushing rows per step; twice that many row
-  # slots keeps one row per fold program, and rows beyond loop, never drop.
+  return VerifyConfig(step=step, readout=readout, split=False, fold=base.fold,
+                      fold_rows=_verify_fold_rows(batch, buffer_len, num_tokens), route=route)
+
+
+def _verify_fold_rows(batch: int, buffer_len: int, num_tokens: int) -> int:
+  """Row slots of the verify's fold pass. A row's window grows by (T + 1) / 2 tokens per step on
+  average (random accepts) and flushes once it exceeds L - 1 - T: about B (T + 1) / (2 (L - T))
+  flushing rows per step; twice that many row slots keeps one row per fold program, and rows beyond
+  loop, never drop."""
   flushing = -(-batch * (num_tokens + 1) // (2 * max(buffer_len - num_tokens, 1)))
-  fold_rows = min(batch, _next_pow2(2 * flushing))
-  return VerifyConfig(step=step, readout=readout, split=False, fold=base.fold, fold_rows=fold_rows,
-                      route=route)
+  return min(batch, _next_pow2(2 * flushing))
 
 
 def verify_conventional_config(*, device_kind: str, state_dtype, head_k_dim: int,
@@ -444,11 +468,12 @@ def verify_conventional_config(*, device_kind: str, state_dtype, head_k_dim: int
 
 def mamba2_verify_config(*, device_kind: str, state_dtype, head_dim: int, state_dim: int,
                          num_heads: int, num_groups: int, batch: int, buffer_len: int,
-                         num_tokens: int, route: str | None = None) -> Mamba2ReplayConfig:
-  """Verify step, T tokens per row, flush fold fused in. Route ``output_only``: grid
-  (P/BP, H/heads, B); ``reconstruct``: grid (P/BP, H, B), the window replayed into the [BP, N]
-  tile. ``route`` None: reconstruct on GPUs, output-only in interpret mode."""
-  del buffer_len
+                         ring_size: int, num_tokens: int,
+                         route: str | None = None) -> Mamba2ReplayConfig:
+  """Verify, T tokens per row. Route ``output_only``: the step kernel, grid (P/BP, H/heads, B), then
+  the fold pass over the flushing rows; ``reconstruct``: one launch, grid (P/BP, H, B), the window
+  replayed into the [BP, N] tile. ``route`` None: reconstruct on GPUs, output-only in interpret
+  mode."""
   if route is None:
     # H200 2026-11-29, Nemotron-3-Super layer, B=256, L=16, f32 state, vs the conventional
     # speculative verify in the same run (bench/RESULTS.md, session 5): reconstruct [8, N] in 1
@@ -479,7 +504,9 @@ def mamba2_verify_config(*, device_kind: str, state_dtype, head_dim: int, state_
   if not _is_cpu(device_kind) and batch * (num_heads // cfg.heads) * (head_dim // cfg.block_p) < 2 * 132:
     # *untuned*: fewer than two programs per H200 SM leaves SMs idle; one head per program.
     cfg = cfg.override(heads=1)
-  return Mamba2ReplayConfig(step=cfg, route=route)
+  return Mamba2ReplayConfig(step=cfg, route=route,
+                            fold=_mamba2_fold(device_kind, head_dim, state_dim, ring_size),
+                            fold_rows=_verify_fold_rows(batch, buffer_len, num_tokens))
 
 
 def mamba2_verify_conventional_config(*, device_kind: str, state_dtype, head_dim: int,

@@ -258,7 +258,7 @@ def test_auto_route_rule_on_the_h200():
   from replayssm_jax import config  # noqa: PLC0415
   route = lambda dtype, batch, buffer_len: config.mamba2_replay_config(
       device_kind="NVIDIA H200", state_dtype=dtype, head_dim=64, state_dim=128, num_heads=128,
-      num_groups=8, batch=batch, buffer_len=buffer_len).route
+      num_groups=8, batch=batch, buffer_len=buffer_len, ring_size=2 * buffer_len).route
   assert route(jnp.float32, 32, 8) == route(jnp.float32, 128, 4) == "reconstruct"
   assert route(jnp.float32, 256, 4) == route(jnp.float32, 8, 4) == "reconstruct"
   assert route(jnp.float32, 1, 4) == "output_only"
@@ -266,7 +266,7 @@ def test_auto_route_rule_on_the_h200():
   assert route(jnp.bfloat16, 32, 8) == "output_only"
   assert config.mamba2_replay_config(device_kind="NVIDIA H200", state_dtype=jnp.float32, head_dim=64,
                                      state_dim=128, num_heads=128, num_groups=8, batch=32, buffer_len=8,
-                                     route="output_only").route == "output_only"
+                                     ring_size=16, route="output_only").route == "output_only"
 
 
 def test_the_pallas_kernels_run():

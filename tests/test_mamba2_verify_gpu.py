@@ -84,7 +84,7 @@ def test_compiled_verify_f32_matches_float64_oracle(num_tokens, buffer_len):
 
 @pytest.mark.parametrize("num_tokens,state_dtype", [(4, jnp.float32), (8, jnp.float32), (4, jnp.bfloat16)])
 def test_compiled_verify_output_only_route(monkeypatch, num_tokens, state_dtype):
-  """The output-only route (T×T products, fold fused in), taken by name."""
+  """The output-only route (T×T products, then the fold pass), taken by name."""
   real = config_lib.mamba2_verify_config
   monkeypatch.setattr(config_lib, "mamba2_verify_config", lambda **kw: real(**{**kw, "route": "output_only"}))
   errs = _run(state_dtype, num_tokens, 16, steps=12, seed=4)

@@ -162,8 +162,8 @@ def test_verify_parity_random_accepts_reconstruct_route(reconstruct_route):
 def test_bad_verify_route():
   with pytest.raises(ValueError, match="route"):
     config_lib.mamba2_verify_config(device_kind="cpu", state_dtype=jnp.float32, head_dim=8, state_dim=16,
-                                    num_heads=4, num_groups=2, batch=4, buffer_len=8, num_tokens=2,
-                                    route="fused")
+                                    num_heads=4, num_groups=2, batch=4, buffer_len=8, ring_size=16,
+                                    num_tokens=2, route="fused")
 
 
 def _random_accepts(num_tokens, buffer_len):

@@ -9,16 +9,16 @@ Kernels, each ``kernel → builder → public wrapper`` (the wrappers are what g
       program serves the r = Hv/Hk value heads of a key head, so q, k and the key ring are loaded
       once. It reads the checkpoint tile, replays the window ``[base, base + count)`` of the ring,
       writes o and appends (k, u, g) at ring index ``base + count``.
-  (b) the fold kernel: grid (B, Hv, V/BV); rows with ``plan.fold_length() > 0`` (flushing rows:
-      window plus the token (a) just appended) rebuild ``S = e^G S_c + Σ_j w_j u_j k_jᵀ`` with f32
-      rank-one FMAs and write it to the checkpoint; every other program exits at once.
+  (b) the fold pass (pallas/fold_triton.py, shared with Mamba2): the flushing rows, compacted,
+      fold window plus the token (a) just appended, ``S = e^G S_c + Σ_j w_j u_j k_jᵀ``, into the
+      checkpoint.
   With ``plan.flush_all`` (every live row flushes: the small-batch policy) one fold-and-step
   kernel, grid (V/BV, Hv, B), replaces both passes: the conventional decode plus the window fold.
   Route ``reconstruct``: one launch, grid (V/BV, Hv, B), shared with ``replay_verify``
   (``reconstruct``, T tokens): the checkpoint tile is replayed through the window into registers
   (``S ← e^{g_j} S + u_j k_jᵀ`` over the live entries), stepped by the delta rule, and stored on
   flushing rows after token 0, so no fold pass follows.
-* ``materialize``: the fold kernel body again, writing every row's state to a fresh f32 output.
+* ``materialize``: the fold kernel again, writing every row's state to a fresh f32 output.
 
 Everything is float32 inside and matrix-vector products are multiply-and-reduce, never ``dot``
 (Triton f32 dots are TF32), so CPU interpret mode and the GPU agree to f32 rounding. Ring entries
@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plt
 from replayssm_jax import config as config_lib
 from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.gdn.buffers import ReplayBuffers
-from replayssm_jax.pallas import common
+from replayssm_jax.pallas import common, fold_triton
 from replayssm_jax.replay import window_decays, window_offsets
 
 f32 = jnp.float32
@@ -121,7 +121,7 @@ def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_
     _, inside = window_offsets((ring_size,), base, count, ring_size)
     rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
     w, total = window_decays(rg, base, count, ring_size)
-    step_and_write(_accumulate_window(
+    step_and_write(fold_triton.accumulate_window(
         jnp.exp(total) * state_ref[s, h, tile, :].astype(f32), w, inside,
         lambda rows: ring_k_ref.at[s, hk, rows, :], lambda rows: ring_u_ref.at[s, h, rows, tile],
         ring_size))
@@ -183,34 +183,6 @@ def _reconstruct_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, 
           @pl.when(h % group == 0)
           def _():
             ring_k_out[s, hk, put, :] = k.astype(ring_k_out.dtype)
-
-
-def _accumulate_window(S, weights, inside, k_at, u_at, ring_size):
-  """S + Σ_p w_p u_p k_pᵀ over the ring positions p inside the window, in float32.
-
-  ``k_at(rows)`` / ``u_at(rows)`` index the key [.., BK] / value [.., BV] ring of the row's head
-  with ``rows`` a slice (all R entries) or one entry, in a single indexer (Triton lowers no
-  chained indexers). Entries outside the window are never
-  read (masked loads give zeros; they may be stale or NaN). With R ≥ 16 (Triton's smallest dot)
-  and a tile of at most 32×128, the sum is one IEEE-f32 dot ``(w∘U)ᵀ K`` at HIGHEST precision —
-  exact f32, never TF32 (H200, B=256, L=16: the flush fold went from 0.061 to 0.045 ms per
-  layer-step; a [64, 128] tile spilled: 7.2 ms). Otherwise R rank-one FMAs are unrolled, their
-  loads independent so they issue together.
-  """
-  if ring_size >= 16 and S.shape[0] * S.shape[1] <= 32 * 128:
-    U = common.load_window(u_at(slice(None)), inside)                   # [R, BV]
-    Kr = common.load_window(k_at(slice(None)), inside)                  # [R, BK]
-    return S + jnp.dot((weights[:, None] * U).T, Kr, precision=lax.Precision.HIGHEST)
-  pos = lax.broadcasted_iota(jnp.int32, (ring_size,), 0)
-  for p in range(ring_size):
-    at_p = pos == p
-    w = jnp.sum(jnp.where(at_p, weights, 0.0))
-    live = jnp.sum(jnp.where(at_p & inside, 1, 0)) > 0
-    i = jnp.int32(p)  # an array index: interpret mode cannot discharge a Python int in a masked load
-    u = common.load_entry(u_at(i), live).astype(f32)
-    k = common.load_entry(k_at(i), live).astype(f32)
-    S = S + (w * u)[:, None] * k[None, :]
-  return S
 
 
 def _sum_chunks(parts):
@@ -275,47 +247,6 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
         ring_g_out[s, hk * group + i, put] = g
 
 
-def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_ref, ring_k_ref,
-                 ring_u_ref, ring_g_ref, out_ref, *, group, block_v, block_k, ring_size, row_slots,
-                 into_checkpoint):
-  """out = e^G S_c + Σ_j w_j u_j k_jᵀ over ``length`` entries from ``base``, for listed rows.
-
-  Grid (V/BV · K/BK, Hv, row_slots): program (tile, h, z) folds the [BV, BK] tile of batch rows
-  ``rows[z], rows[z + row_slots], …`` below ``num_rows`` (the flushing rows, compacted, so the grid is sized for the rows that work rather
-  than the batch). into_checkpoint: out is the (aliased) checkpoint, indexed by slot. Otherwise
-  out is a fresh [B, Hv, V, K] f32 array indexed by row; padding rows get zeros.
-  """
-  t, h, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  num_k_tiles = state_ref.shape[-1] // block_k
-  tile = pl.ds((t // num_k_tiles) * block_v, block_v)
-  tile_k = pl.ds((t % num_k_tiles) * block_k, block_k)
-  hk = h // group
-
-  def fold_row(i, carry):
-    b = rows_ref[z + i * row_slots]
-    s = slots_ref[b]
-
-    @pl.when(s >= 0)
-    def _():
-      base, length = base_ref[b], length_ref[b]
-      _, inside = window_offsets((ring_size,), base, length, ring_size)
-      rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
-      w, total = window_decays(rg, base, length, ring_size)
-      S = _accumulate_window(jnp.exp(total) * state_ref[s, h, tile, tile_k].astype(f32), w, inside,
-                             lambda rows: ring_k_ref.at[s, hk, rows, tile_k],
-                             lambda rows: ring_u_ref.at[s, h, rows, tile], ring_size)
-      out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)
-
-    if not into_checkpoint:
-      @pl.when(s < 0)
-      def _():
-        out_ref[b, h, tile, tile_k] = jnp.zeros((block_v, block_k), out_ref.dtype)
-    return carry
-
-  # Rows z, z + row_slots, … below num_rows: ceil((num_rows - z) / row_slots) of them (≤ 0: none).
-  lax.fori_loop(0, (num_rows_ref[0] - z + row_slots - 1) // row_slots, fold_row, 0)
-
-
 # ----------------------------------------------------------------------------------------------
 # Builders.
 # ----------------------------------------------------------------------------------------------
@@ -340,28 +271,6 @@ def _decode(q, k, v, g, beta, pool, slots, *, scale, cfg, interpret):
                                jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
                     aliases={6: 1}, cfg=cfg, name="replayssm_gdn_decode", interpret=interpret)
   return o, pool
-
-
-def _fold(bufs, slots, base, length, rows, num_rows, *, cfg, row_slots, interpret, into_checkpoint):
-  """The fold kernel over ``rows[:num_rows]`` of the batch: into the checkpoint (aliased) or into a
-  fresh f32 array [B, Hv, V, K]."""
-  _, hv, vd, kd = bufs.state.shape
-  batch = slots.shape[0]
-  kernel = functools.partial(_fold_kernel, group=hv // bufs.num_k_heads, block_v=cfg.block_v,
-                             block_k=cfg.block_k, ring_size=bufs.ring_size, row_slots=row_slots,
-                             into_checkpoint=into_checkpoint)
-  if into_checkpoint:
-    out = jax.ShapeDtypeStruct(bufs.state.shape, bufs.state.dtype)
-    aliases, name = {5: 0}, "replayssm_gdn_fold"
-  else:
-    out = jax.ShapeDtypeStruct((batch, hv, vd, kd), f32)
-    aliases, name = {}, "replayssm_gdn_materialize"
-  args = (rows, jnp.reshape(num_rows, (1,)).astype(jnp.int32), slots, base, length, bufs.state,
-          bufs.ring_k, bufs.ring_u, bufs.ring_g)
-  tiles = (vd // cfg.block_v) * (kd // cfg.block_k)
-  (out,) = _pallas(kernel, args, grid=(tiles, hv, row_slots), out_shape=[out],
-                   aliases=aliases, cfg=cfg, name=name, interpret=interpret)
-  return out
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
@@ -423,21 +332,21 @@ def reconstruct(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret)
 
 
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
-  """The flush pass after a step kernel appended token 0: flushing rows fold
-  ``plan.fold_length()`` entries (window + token 0) into their checkpoint; returns the buffers."""
-  # Compact the flushing rows to the front so the fold grid is sized for them, not for the batch.
-  batch = plan.slots.shape[0]
-  rows = jnp.nonzero(plan.flush, size=batch, fill_value=0)[0].astype(jnp.int32)
-  state = _fold(bufs, plan.slots, plan.base, plan.fold_length(), rows, jnp.sum(plan.flush),
-                cfg=cfg.fold, row_slots=cfg.fold_rows, interpret=interpret, into_checkpoint=True)
-  return bufs.replace(state=state)
+  """The flush pass after a step kernel appended token 0 (``fold_triton.fold_flushing_rows``):
+  flushing rows fold ``plan.fold_length()`` entries (window + token 0) into their checkpoint;
+  returns the buffers."""
+  return bufs.replace(state=fold_triton.fold_flushing_rows(
+      bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g, plan, cfg=cfg.fold,
+      row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_gdn_fold"))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def _materialize(bufs, slots, base, length, *, cfg, interpret):
   batch = slots.shape[0]
-  return _fold(bufs, slots, base, length, jnp.arange(batch, dtype=jnp.int32), batch, cfg=cfg,
-               row_slots=batch, interpret=interpret, into_checkpoint=False)
+  return fold_triton.fold(bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g, slots, base, length,
+                          jnp.arange(batch, dtype=jnp.int32), batch, cfg=cfg, row_slots=batch,
+                          interpret=interpret, into_checkpoint=False,
+                          name="replayssm_gdn_materialize")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,16 +12,15 @@ calls):
                  once per program and shared by its heads; S is never built.
     reconstruct  S_{t-1} = e^G S_c + Σ_j w_j Δx_j B_jᵀ is rebuilt in [BP, block_n] chunks.
   Flushing rows (``plan.flush``) write S_t = a S_{t-1} + Δx_t B_tᵀ (window plus this token) to the
-  checkpoint in the same launch: the reconstruct route stores the chunks it builds anyway; the
-  output-only route, under ``pl.when(flush)``, re-reads the checkpoint and rebuilds it chunk by
-  chunk from the ring refs (a small [BP, block_n] accumulator: that branch is compiled into
-  every program, and its registers would lower the occupancy of all of them).
+  checkpoint: the reconstruct route stores the chunks it builds anyway, in the same launch; the
+  output-only route runs the fold pass of pallas/fold_triton.py (shared with GDN) over the
+  flushing rows after the step, since a fold branch compiled into the step kernel would cost every
+  program registers and occupancy.
   With ``plan.flush_all`` (every live row flushes: the small-batch policy) a fold-and-step kernel,
   grid (P/BP, H, B), replaces it: the conventional decode's pass once windows are empty.
 * ``materialize``: the rebuild alone, into a fresh f32 array, for every row.
 
-The kernel pieces (``_token``, ``_finish``, ``_decode_step``, ``_window``, ``_fold``, the builders)
-also serve the speculative-verify kernels of pallas/mamba2_verify_triton.py.
+The kernel pieces (``_token``, ``_finish``, ``_decode_step``, ``_window``, the builders) also serve the speculative-verify kernels of pallas/mamba2_verify_triton.py.
 
 Everything is float32 inside and products are multiply-and-reduce or rank-one FMAs, never
 ``dot`` (Triton f32 dots are TF32), so CPU interpret mode and the GPU agree to f32 rounding. Ring
@@ -31,6 +30,7 @@ Shapes: x, z [B, H, P]; dt [B, H]; A, D, dt_bias [H]; B, C [B, G, N]; state [Ns,
 ring_x [Ns, H, R, P]; ring_B [Ns, G, R, N]; ring_a [Ns, H, R]. Head h reads group h // (H // G).
 P needs a power-of-two divisor (P = 80 runs in tiles of 16); N must be a power of two.
 """
+import dataclasses
 import functools
 
 import jax
@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plt
 from replayssm_jax import config as config_lib
 from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.mamba2.buffers import ReplayBuffers
-from replayssm_jax.pallas import common
+from replayssm_jax.pallas import common, fold_triton
 from replayssm_jax.replay import window_decays, window_offsets
 
 f32 = jnp.float32
@@ -130,25 +130,6 @@ def _decode_step(r, at, g, S, dA, dx):
   return S, jnp.sum(S * r["C"][(*at, g, slice(None))].astype(f32)[None, :], axis=1)
 
 
-def _fold(r, at, s, h0, g, tile, base, count, *, heads, block_n, ring_size, softplus):
-  """Checkpoint of heads h0 .. h0 + heads - 1 ← window ``[base, base + count)`` + the token at
-  ``at``. Everything is reloaded from refs, head by head and chunk by chunk, so this rarely taken
-  branch (compiled into every program) holds few registers."""
-  n = r["state"].shape[-1]
-
-  def head(i, carry):
-    h = h0 + i
-    dA, dx = _token(r, at, h, tile, softplus)
-    window = _window(r, s, h, base, count, ring_size)
-
-    def chunk(cols, carry):
-      S = _step_chunk(r, at, s, h, g, tile, cols, window, dA, dx, ring_size)
-      r["state_out"][s, h, tile, cols] = S.astype(r["state_out"].dtype)
-      return carry
-    return _chunks(n, block_n, chunk, carry)
-  lax.fori_loop(0, heads, head, 0)
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernels.
 # ----------------------------------------------------------------------------------------------
@@ -218,12 +199,6 @@ def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, rout
     @pl.when((pt == 0) & (h0 % group == 0))  # B is per group: its first program appends it
     def _():
       r["ring_B_out"][s, g, put, :] = Bt.astype(r["ring_B_out"].dtype)
-
-    if route == "output_only":
-      @pl.when(flush)
-      def _():
-        _fold(r, (b,), s, h0, g, tile, base, count, heads=heads, block_n=block_n,
-              ring_size=ring_size, softplus=softplus)
 
 
 def _flush_decode_kernel(*refs, names, group, block_p, block_n, ring_size, softplus):
@@ -314,13 +289,14 @@ def _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, *, dt_softplus, cfg, int
   return out["y_out"], out["pool_out"]
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "route", "cfg", "interpret"))
-def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, route, cfg,
-                   interpret):
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
+def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cfg, interpret):
+  """The step launch; on the output-only route then the fold pass over the flushing rows."""
   batch, h, p = x.shape
-  kernel = functools.partial(_replay_kernel, group=h // bufs.num_groups, heads=cfg.heads,
-                             block_p=cfg.block_p, block_n=cfg.block_n, ring_size=bufs.ring_size,
-                             route=route, softplus=dt_softplus)
+  step = cfg.step
+  kernel = functools.partial(_replay_kernel, group=h // bufs.num_groups, heads=step.heads,
+                             block_p=step.block_p, block_n=step.block_n, ring_size=bufs.ring_size,
+                             route=cfg.route, softplus=dt_softplus)
   buffers = {"state": bufs.state, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
   out = _pallas(kernel,
                 {"slots": plan.slots, "base": plan.base, "count": plan.count,
@@ -328,9 +304,21 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, ro
                  **_step_inputs(x, dt, A, B, C, D, z, dt_bias), **buffers},
                 {"y_out": x, **{k + "_out": v for k, v in buffers.items()}},
                 {k: k + "_out" for k in buffers},
-                grid=(p // cfg.block_p, h // cfg.heads, batch), cfg=cfg,
+                grid=(p // step.block_p, h // step.heads, batch), cfg=step,
                 name="replayssm_mamba2_replay_step", interpret=interpret)
-  return out["y_out"], bufs.replace(**{k: out[k + "_out"] for k in buffers})
+  bufs = bufs.replace(**{k: out[k + "_out"] for k in buffers})
+  return out["y_out"], fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
+
+
+def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
+  """Output-only route: flushing rows fold window + token 0 (``plan.fold_length()`` entries, the
+  token already appended) into their checkpoint (``fold_triton.fold_flushing_rows``; ring_B is the
+  key ring, ring_x the value ring, ring_a the log decays). The reconstruct route stored them."""
+  if cfg.route == "reconstruct":
+    return bufs
+  return bufs.replace(state=fold_triton.fold_flushing_rows(
+      bufs.state, bufs.ring_B, bufs.ring_x, bufs.ring_a, plan, cfg=cfg.fold,
+      row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_mamba2_fold"))
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
@@ -399,11 +387,15 @@ def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=N
 
 def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z, dt_bias,
                   dt_softplus, route="auto", block_p=None, block_n=None, heads=None, num_warps=None,
-                  num_stages=None):
-  """ReplaySSM Mamba2 decode (one token per row), flush fold fused into the step.
+                  num_stages=None, fold_block_p=None, fold_block_n=None, fold_num_warps=None,
+                  fold_rows=None):
+  """ReplaySSM Mamba2 decode (one token per row): the step launch, then (output-only route) the
+  fold pass over the flushing rows.
 
   ``block_p`` (P rows per program), ``block_n`` (N chunk of the rebuild), ``heads`` (heads per
-  program), ``num_warps`` and ``num_stages`` override the config. Returns (y [B, H, P], bufs).
+  program), ``num_warps`` and ``num_stages`` override the step's config; ``fold_block_p`` /
+  ``fold_block_n`` / ``fold_num_warps`` the fold pass's tile and warps, ``fold_rows`` its row
+  slots. Returns (y [B, H, P], bufs).
   """
   op = "mamba2.replay_decode[pallas_triton]"
   if plan.num_tokens != 1:
@@ -427,11 +419,26 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   cfg = config_lib.mamba2_replay_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_dim=p, state_dim=n,
       num_heads=h, num_groups=bufs.num_groups, batch=x.shape[0], buffer_len=plan.buffer_len,
-      route=route)
+      ring_size=bufs.ring_size, route=route)
   step = _fit(op, cfg.step, p, n, h // bufs.num_groups, block_p=block_p, block_n=block_n,
               heads=heads, num_warps=num_warps, num_stages=num_stages)
+  cfg = dataclasses.replace(cfg, step=step, **_fold_knobs(op, cfg, p, n, fold_block_p, fold_block_n,
+                                                          fold_num_warps, fold_rows))
   return _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
-                        route=cfg.route, cfg=step, interpret=common.interpret_mode())
+                        cfg=cfg, interpret=common.interpret_mode())
+
+
+def _fold_knobs(op, cfg, head_dim, state_dim, block_p, block_n, num_warps, rows) -> dict:
+  """The fold pass's overrides as Mamba2ReplayConfig fields (none on the reconstruct route)."""
+  if cfg.fold is None:
+    return {}
+  common.require_pow2(op, **{k: v for k, v in (("fold_block_p", block_p), ("fold_block_n", block_n))
+                             if v is not None})
+  fold = cfg.fold.override(block_v=block_p, block_k=block_n, num_warps=num_warps)
+  fold = fold.fit(head_dim & -head_dim, state_dim)
+  if rows is not None and (not isinstance(rows, int) or rows < 1):
+    raise ValueError(f"fold_rows={rows!r}; expected an int >= 1")
+  return {"fold": fold, "fold_rows": cfg.fold_rows if rows is None else rows}
 
 
 def materialize(bufs: ReplayBuffers, slots, base, length, *, block_p=None, block_n=None,

@@ -3,19 +3,20 @@
 Two kernels, each ``kernel → builder → public wrapper`` (the wrappers are what mamba2/ops.py
 calls), built from the pieces of pallas/mamba2_triton.py:
 
-* ``replay_verify``: ReplaySSM verify of T ≤ 8 tokens per row (Mamba2 Alg. 4) in one launch, grid
-  (P/BP, H/heads, B); a program serves ``heads`` heads of one group. With S_h = checkpoint ⊕
-  committed window ``[base, base + count)`` and L_i = Σ_{j≤i} Δ_j A over the tokens::
+* ``replay_verify``: ReplaySSM verify of T ≤ 8 tokens per row (Mamba2 Alg. 4): the step launch, grid
+  (P/BP, H/heads, B), then the fold pass over the flushing rows; a step program serves ``heads``
+  heads of one group. With S_h = checkpoint ⊕ committed window ``[base, base + count)`` and
+  L_i = Σ_{j≤i} Δ_j A over the tokens::
 
       y_i = e^{L_i} (S_h C_i) + Σ_{j≤i} e^{L_i − L_j} (B_j·C_i) Δx_j           (then D skip, gate)
       S_h C_i = e^G (S_c C_i) + Σ_w w_w (B_w·C_i) Δx_w                        (output-only read)
 
   S is never built for the outputs: the window products B_w·C_i and the token products B_j·C_i
   are computed once per program and shared by its heads. Every real token i is appended as
-  (Δx, B, ΔA) at ring index ``base + count + i``; flushing rows fold the window and token 0 only
-  (``plan.fold_length()`` entries) into the checkpoint in the same program (``mamba2_triton._fold``,
-  the output-only step's fold). With T = 1 this is ``mamba2_triton.replay_decode``'s output-only
-  route, operation for operation.
+  (Δx, B, ΔA) at ring index ``base + count + i``; then the fold pass (pallas/fold_triton.py, as in
+  ``mamba2_triton.replay_decode``'s output-only route) folds the window and token 0 only
+  (``plan.fold_length()`` entries) of the flushing rows into the checkpoint. With T = 1 this is
+  that route, operation for operation.
   Reconstruct route (``route="reconstruct"``, grid (P/BP, H, B)): the checkpoint tile is replayed
   through the window into registers (live entries only), stepped through the tokens like the
   conventional verify, and stored after token 0 on flushing rows.
@@ -31,6 +32,7 @@ output zeros and write nothing. float32 inside, multiply-and-reduce and rank-one
 B, C [B, T, G, N]; lengths int32[B]; state [Ns, H, P, N]; ring_x [Ns, H, R, P];
 ring_B [Ns, G, R, N]; ring_a [Ns, H, R]; stack [Ns, T_max, H, P, N].
 """
+import dataclasses
 import functools
 
 import jax
@@ -43,8 +45,8 @@ from replayssm_jax import config as config_lib
 from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.mamba2.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
-from replayssm_jax.pallas.mamba2_triton import (_check_sizes, _decode_step, _finish, _fit, _fold,
-                                                _pallas, _step_inputs, _token, _window)
+from replayssm_jax.pallas.mamba2_triton import (_check_sizes, _decode_step, _finish, _fit, _pallas,
+                                                _step_inputs, _token, _window, fold_flushing_rows)
 from replayssm_jax.replay import window_offsets
 
 f32 = jnp.float32
@@ -68,7 +70,7 @@ def _zero_outputs(r, b, h0, heads, tile, block_p, tokens):
       r["y_out"][b, i, h0 + k, tile] = jnp.zeros((block_p,), r["y_out"].dtype)
 
 
-def _verify_kernel(*refs, names, group, heads, block_p, block_n, ring_size, tokens, softplus):
+def _verify_kernel(*refs, names, group, heads, block_p, ring_size, tokens, softplus):
   r = dict(zip(names, refs))
   pt, hb, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = r["slots"][b]
@@ -82,7 +84,7 @@ def _verify_kernel(*refs, names, group, heads, block_p, block_n, ring_size, toke
 
   @pl.when(s >= 0)
   def _():
-    base, count, flush, length = r["base"][b], r["count"][b], r["flush"][b] != 0, r["lengths"][b]
+    base, count, length = r["base"][b], r["count"][b], r["lengths"][b]
     real = [length > i for i in range(tokens)]                      # token 0 is always real
     put = [(base + count + i) % ring_size for i in range(tokens)]   # token i's ring index
     Bs = [r["B"][b, i, g, :].astype(f32) for i in range(tokens)]
@@ -115,11 +117,6 @@ def _verify_kernel(*refs, names, group, heads, block_p, block_n, ring_size, toke
 
     for i in range(tokens):  # B is per group: its first program appends it
       _store_if(r["ring_B_out"].at[s, g, put[i], :], Bs[i], real[i] & (pt == 0) & (h0 % group == 0))
-
-    @pl.when(flush)  # checkpoint ← window + token 0; drafts are never folded
-    def _():
-      _fold(r, (b, 0), s, h0, g, tile, base, count, heads=heads, block_n=block_n,
-            ring_size=ring_size, softplus=softplus)
 
 
 def _reconstruct_kernel(*refs, names, group, block_p, ring_size, tokens, softplus):
@@ -204,8 +201,8 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
     grid = (p // step.block_p, h, batch)
   else:
     kernel = functools.partial(_verify_kernel, group=h // bufs.num_groups, heads=step.heads,
-                               block_p=step.block_p, block_n=step.block_n, ring_size=bufs.ring_size,
-                               tokens=t, softplus=dt_softplus)
+                               block_p=step.block_p, ring_size=bufs.ring_size, tokens=t,
+                               softplus=dt_softplus)
     grid = (p // step.block_p, h // step.heads, batch)
   buffers = {"state": bufs.state, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
   out = _pallas(kernel,
@@ -216,7 +213,9 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
                 {k: k + "_out" for k in buffers},
                 grid=grid, cfg=step, name=f"replayssm_mamba2_replay_verify_{cfg.route}",
                 interpret=interpret)
-  return out["y_out"], bufs.replace(**{k: out[k + "_out"] for k in buffers})
+  bufs = bufs.replace(**{k: out[k + "_out"] for k in buffers})
+  # Output-only: flushing rows fold window + token 0 (drafts are never folded) in the fold pass.
+  return out["y_out"], fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
@@ -255,16 +254,17 @@ def verify_cfg(op, bufs: ReplayBuffers, plan: ReplayPlan, batch, *, route=None, 
   cfg = config_lib.mamba2_verify_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_dim=p, state_dim=n,
       num_heads=h, num_groups=g, batch=batch, buffer_len=plan.buffer_len,
-      num_tokens=plan.num_tokens, route=route)
+      ring_size=bufs.ring_size, num_tokens=plan.num_tokens, route=route)
   step = _fit(op, cfg.step, p, n, h // g, block_p=block_p, block_n=block_n, heads=heads,
               num_warps=num_warps, num_stages=num_stages)
-  return config_lib.Mamba2ReplayConfig(step=step, route=cfg.route)
+  fold = {} if cfg.fold is None else {"fold": cfg.fold.override(block_k=block_n).fit(p & -p, n)}
+  return dataclasses.replace(cfg, step=step, **fold)
 
 
 def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, D, z, dt_bias,
                   dt_softplus, route=None, block_p=None, block_n=None, heads=None, num_warps=None,
                   num_stages=None):
-  """ReplaySSM Mamba2 verify of T = ``plan.num_tokens`` tokens per row, flush fold fused in.
+  """ReplaySSM Mamba2 verify of T = ``plan.num_tokens`` tokens per row.
 
   Args:
     x: [B, T, H, P]; dt: [B, T, H]; A: [H]; B, C: [B, T, G, N]; D, dt_bias: [H] or None;
@@ -273,8 +273,8 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
     lengths: int32[B] real tokens per row in [1, T].
     route: None (the config's), "output_only" or "reconstruct" (the window replayed into the
       tile; one head per program).
-    block_p (P rows per program), block_n (N chunk of the flush fold), heads (heads per program),
-      num_warps, num_stages: config overrides.
+    block_p (P rows per program), heads (heads per program), num_warps, num_stages: the step's
+      config overrides; block_n: the N tile of the output-only route's fold pass.
 
   Returns:
     (y [B, T, H, P] in x's dtype, bufs).
