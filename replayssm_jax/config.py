@@ -154,6 +154,24 @@ def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_
                        head_v_dim=head_v_dim, batch=0)
 
 
+DECODE_BUFFER_LEN = 16
+
+
+def buffer_len_for(num_tokens: int) -> int:
+  """The buffer length L a cache gets when the caller leaves it to the library: ``num_tokens`` T
+  tokens per verify step (1 without speculative decoding)."""
+  if num_tokens <= 1:
+    # One token per step: L = 16 is the GDN-core and model benchmarks' operating point (H200, B=256
+    # f32: L = 8 1.24x, L = 16 1.40x, L = 32 1.32x over conventional decode).
+    return DECODE_BUFFER_LEN
+  # Speculative verify: short windows win, every flush being cheaper than a long window replay.
+  # H200 2026-11-29 (bench/RESULTS.md, session 6), B = 256, f32 checkpoint, x the conventional
+  # speculative verify in the same run: GDN T=2 L=4 1.59 vs L=8 1.52; T=4 L=8 1.52 vs L=16 1.32;
+  # T=8 L=8 1.56 vs L=16 1.48. Mamba2 T=2 1.65 vs 1.59; T=4 1.64 vs 1.41; T=8 1.90 vs 1.81.
+  # L >= T keeps a flushed row's tokens inside its window (T = 3, 5-7: interpolated, unmeasured).
+  return max(num_tokens, min(2 * num_tokens, 8))
+
+
 SMALL_BATCH_FAMILIES = ("gdn", "mamba2")
 
 
@@ -284,8 +302,14 @@ class Mamba2ReplayConfig:
 
 
 def _mamba2_fold(device_kind: str, head_dim: int, state_dim: int, ring_size: int) -> KernelConfig:
-  """The flush-fold tile for a [P, N] head: GDN's fold tile for a [V, K] head (the same kernel and
-  the same sizes: P = 64 ~ V = 128 rows, N = K = 128), its rows a power of two dividing P."""
+  """The flush-fold tile for a [P, N] head, its rows a power of two dividing P."""
+  if not _is_cpu(device_kind) and ring_size < 16:
+    # R < 16: R unrolled rank-one FMAs, no dot. H200 2026-11-29 (session 6), Nemotron-3-Super,
+    # B = 256, L = 8, f32, full cycle: [64, 64]/4 warps 0.4436 ms, [32, 128]/4 0.4465, GDN's
+    # [32, 64]/2 0.4522, [16, 64]/4 0.4896.
+    return KernelConfig(block_v=64, block_k=64, num_warps=4).fit(_pow2_part(head_dim), state_dim)
+  # R ≥ 16: GDN's fold tile for a [V, K] head (the same kernel, the same window product; P = 64,
+  # N = 128 as V = K = 128); *untuned* for Mamba2.
   return _fold_tile(device_kind, state_dim, ring_size).fit(_pow2_part(head_dim), state_dim)
 
 

@@ -32,17 +32,16 @@ def accumulate_window(S, weights, inside, k_at, u_at, ring_size):
 
   ``k_at(rows)`` / ``u_at(rows)`` index the key [.., BK] / value [.., BV] ring of the row's head
   with ``rows`` a slice (all R entries) or one entry, in a single indexer (Triton lowers no
-  chained indexers). Entries outside the window are never
-  read (masked loads give zeros; they may be stale or NaN). With R ≥ 16 (Triton's smallest dot)
-  and a tile of at most 32×128, the sum is one IEEE-f32 dot ``(w∘U)ᵀ K`` at HIGHEST precision —
-  exact f32, never TF32 (H200, B=256, L=16: the flush fold went from 0.061 to 0.045 ms per
-  layer-step; a [64, 128] tile spilled: 7.2 ms). Otherwise R rank-one FMAs are unrolled, their
+  chained indexers). Entries outside the window are never read (masked loads give zeros; they may
+  be stale or NaN). With R ≥ 16 (Triton's smallest dot) and a tile of at most 32×128 the sum is one
+  matrix product ``(w∘U)ᵀ K`` (``_window_product``); otherwise R rank-one FMAs are unrolled, their
   loads independent so they issue together.
   """
   if ring_size >= 16 and S.shape[0] * S.shape[1] <= 32 * 128:
     U = common.load_window(u_at(slice(None)), inside)                   # [R, BV]
-    Kr = common.load_window(k_at(slice(None)), inside)                  # [R, BK]
-    return S + jnp.dot((weights[:, None] * U).T, Kr, precision=lax.Precision.HIGHEST)
+    k_ring = k_at(slice(None))
+    Kr = common.load_window(k_ring, inside)                             # [R, BK]
+    return S + _window_product((weights[:, None] * U).T, Kr, k_ring.dtype)
   pos = lax.broadcasted_iota(jnp.int32, (ring_size,), 0)
   for p in range(ring_size):
     at_p = pos == p
@@ -53,6 +52,28 @@ def accumulate_window(S, weights, inside, k_at, u_at, ring_size):
     k = common.load_entry(k_at(i), live).astype(f32)
     S = S + (w * u)[:, None] * k[None, :]
   return S
+
+
+def _window_product(A, K, key_dtype):
+  """A [BV, R] @ K [R, BK] in float32 accuracy, never TF32.
+
+  Key ring in bf16 and every dimension ≥ 16: K is exact in bf16, so A is split into three bf16
+  terms A = a₁ + a₂ + a₃ (8 mantissa bits each: A to ~2⁻²⁴ relative) and the sum is three bf16
+  tensor-core products with f32 accumulation, each product exact. Otherwise one IEEE-f32 dot at
+  HIGHEST precision, which Triton runs on FMA units holding whole operand rows per thread (H200,
+  GDN B=256 L=16: 255 registers per thread, 12.5 % occupancy in the fold pass; a [64, 128] tile
+  spilled: 7.2 ms).
+  """
+  if jnp.dtype(key_dtype) != jnp.dtype(jnp.bfloat16) or min(*A.shape, K.shape[1]) < 16:
+    return jnp.dot(A, K, precision=lax.Precision.HIGHEST)
+  bf16 = jnp.bfloat16
+  Kb = K.astype(bf16)
+  a1 = A.astype(bf16)
+  rest = A - a1.astype(f32)
+  a2 = rest.astype(bf16)
+  a3 = (rest - a2.astype(f32)).astype(bf16)
+  return (jnp.dot(a1, Kb, preferred_element_type=f32) + jnp.dot(a2, Kb, preferred_element_type=f32)
+          + jnp.dot(a3, Kb, preferred_element_type=f32))
 
 
 def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_ref, ring_k_ref,
