@@ -260,3 +260,16 @@ def test_speculative_bad_options():
     generate(model, PROMPTS, LENGTHS, ngram=0, **ok)
   with pytest.raises(ValueError, match="step"):
     model.commit(model.init_cache(3), jnp.ones((3,), jnp.int32))
+
+
+def test_default_buffer_len_follows_the_verify_measurement():
+  """buffer_len=None: L = 16 without drafts, L = max(T, min(2T, 8)) for T = k + 1 verify tokens
+  (H200: shorter windows verify faster), and never shorter than T (drafts fit a flushed window)."""
+  from replayssm_jax import config  # noqa: PLC0415
+  assert config.buffer_len_for(1) == 16
+  assert [config.buffer_len_for(t) for t in (2, 3, 4, 8)] == [4, 6, 8, 8]
+  assert all(config.buffer_len_for(t) >= t for t in range(1, 9))
+  model = make_model(LMConfig.tiny(), seed=0)
+  fixed = generate(model, PROMPTS, LENGTHS, max_new_tokens=6, speculative=3, buffer_len=8)
+  auto = generate(model, PROMPTS, LENGTHS, max_new_tokens=6, speculative=3)
+  np.testing.assert_array_equal(np.asarray(auto[0]), np.asarray(fixed[0]))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from replayssm_jax import config as config_lib
 from replayssm_jax.models.lm import LM
 
 PAD_TOKEN = 0
@@ -178,7 +179,7 @@ def _as_int(name, value, lo):
 
 
 def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temperature=0.0,
-             stop_tokens=(), seed=0, buffer_len=16, implementation=None, speculative=0, ngram=2,
+             stop_tokens=(), seed=0, buffer_len=None, implementation=None, speculative=0, ngram=2,
              return_stats=False):
   """Generates ``max_new_tokens`` tokens per row after right-padded prompts.
 
@@ -205,7 +206,9 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
     temperature: 0 → greedy argmax; > 0 → categorical sampling of logits / temperature.
     stop_tokens: token ids that end a row.
     seed: PRNG seed for sampling (same seed → same tokens).
-    buffer_len: ReplaySSM buffer length L (the checkpoint is written every L steps).
+    buffer_len: ReplaySSM buffer length L (the checkpoint is written every L steps); None: the
+      measured default ``config.buffer_len_for(speculative + 1)`` (16 without speculative
+      decoding; 4 / 8 / 8 for 1 / 3 / 7 drafts).
     implementation: forwarded to the GDN / Mamba2 decode and verify ops (None = fastest available).
     speculative: k drafts per step, 0 <= k <= 7 (0: one token per step). Needs ``temperature=0``
       and ``replay=True`` (NotImplementedError otherwise) and ``buffer_len >= k + 1``.
@@ -220,11 +223,13 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
     raise ValueError(f"model must be a replayssm_jax.models.LM; got {type(model).__name__}")
   cfg = model.config
   max_new_tokens = _as_int("max_new_tokens", max_new_tokens, 1)
-  buffer_len = _as_int("buffer_len", buffer_len, 1)
   _as_int("seed", seed, 0)
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
     raise ValueError(f"temperature={temperature!r}; expected a float >= 0")
   speculative = _as_int("speculative", speculative, 0)
+  if buffer_len is None:
+    buffer_len = config_lib.buffer_len_for(speculative + 1)
+  buffer_len = _as_int("buffer_len", buffer_len, 1)
   ngram = _as_int("ngram", ngram, 1)
   if speculative > MAX_DRAFTS:
     raise ValueError(f"speculative={speculative}; expected at most {MAX_DRAFTS} drafts per step "
