@@ -717,7 +717,7 @@ def append_markdown(path: pathlib.Path, section: str) -> None:
 
 
 def plot(rows: list[dict], ceilings: list, path: pathlib.Path, title: str, plot_L: int = 16) -> bool:
-  """Left: replay-pallas speedup over conventional Pallas vs batch, per L. Right: effective
+  """Left: replay speedup (Pallas arms) over conventional Pallas vs batch, per L. Right: effective
   bandwidth vs batch (conventional arms and replay arms at ``plot_L``), with the copy ceiling."""
   try:
     import matplotlib  # noqa: PLC0415
@@ -734,7 +734,7 @@ def plot(rows: list[dict], ceilings: list, path: pathlib.Path, title: str, plot_
   styles = ["-", "--", ":", "-."]
   series = {}
   for r in good:
-    if r["family"] == "replay" and r["impl"] == "pallas_triton" and r["speedup_vs_conv"]:
+    if r["family"] == "replay" and r["impl"].startswith("pallas") and r["speedup_vs_conv"]:
       series.setdefault((r["label"], r["state_dtype"], r["buffer_len"]), []).append(
           (r["batch"], r["speedup_vs_conv"]))
   for i, ((label, sdt, L), pts) in enumerate(sorted(series.items())):
