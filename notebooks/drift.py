@@ -68,8 +68,9 @@ assert smoke["series"] and all(s["status"] == "ok" for s in smoke["series"]), \
 # %% [markdown]
 # ## Which data the figures show
 #
-# The newest stored full run (`bench/results/drift_*.json`, more than the smoke's steps) if there
-# is one, else the small run above.
+# Every stored full run (`bench/results/drift_*.json` with more than the smoke's steps: the H200
+# runs, each adding arms the earlier ones lacked), merged arm by arm (a later file's arm replaces an
+# earlier one with the same family, regime, arm, dtype, L and fold); else the small run above.
 
 # %%
 stored = []
@@ -80,17 +81,35 @@ for path in sorted((ROOT / "bench" / "results").glob("drift_*.json")):
     continue
   if data.get("series") and data.get("options", {}).get("steps", 0) > smoke["options"]["steps"]:
     stored.append((path, data))
-if stored:
-  source, result = stored[-1]
-else:
-  source, result = smoke_json, smoke
-meta, opts = result.get("meta", {}), result["options"]
-print(f"data: {source.name}")
-print(f"device {meta.get('device_kind', '?')}, jax {meta.get('jax_version', '?')}, "
-      f"commit {meta.get('git_commit') or '?'}, {meta.get('date', '?')}")
-print(f"{opts['steps']} steps x {opts['rows']} rows; GDN Hk,Hv,K,V = {opts['gdn_dims']}; "
-      f"Mamba2 H,P,G,N = {opts['mamba2_dims']}; reference: {result['reference']}")
-print(f"fold modes: {result['fold_modes']}; speculative arm: {result['spec']}")
+
+def arm_key(s):
+  return tuple(s.get(k) for k in ("family", "regime", "arm", "state_dtype", "buffer_len", "fold"))
+
+
+runs = stored or [(smoke_json, smoke)]
+merged = {}
+for path, data in runs:
+  meta, opts = data.get("meta", {}), data["options"]
+  print(f"data: {path.name}: device {meta.get('device_kind', '?')}, jax {meta.get('jax_version', '?')}, "
+        f"commit {meta.get('git_commit') or '?'}, {meta.get('date', '?')}; {opts['steps']} steps x "
+        f"{opts['rows']} rows; GDN Hk,Hv,K,V = {opts['gdn_dims']}; Mamba2 H,P,G,N = {opts['mamba2_dims']}")
+  for s in data["series"]:   # each arm keeps its own run's flush steps (the L sets differ)
+    merged[arm_key(s)] = dict(s, flush_steps=data["samples"]["flush_steps"], source=path.name)
+model = next((d["model"] for _, d in reversed(runs) if d.get("model")), None)
+
+
+def covered(skip):
+  """A skipped arm (or whole regime, or the model check) that a later run supplied."""
+  if "model" in skip:
+    return model is not None
+  if "arm" not in skip:
+    return any(k[:2] == (skip["family"], skip["regime"]) for k in merged)
+  return arm_key(skip) in merged
+
+
+skipped = [k for _, d in runs for k in d.get("skipped", []) if not covered(k)]
+result = dict(runs[0][1], series=list(merged.values()), skipped=skipped, model=model)
+print(f"reference: {result['reference']}; fold modes: {result['fold_modes']}")
 series = [s for s in result["series"] if s.get("status") == "ok"]
 errors = [s for s in result["series"] if s.get("status") != "ok"]
 if errors:
@@ -191,7 +210,6 @@ plt.show()
 
 # %%
 fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-flush_steps = set(result["samples"]["flush_steps"])
 for ax, (fam, regime) in zip(axes[0], panels):
   for dt, color in DT_COLOR.items():
     conv = [s for s in series if (s["family"], s["regime"], s["arm"], s["state_dtype"]) == (fam, regime, "conventional", dt)]
@@ -199,6 +217,7 @@ for ax, (fam, regime) in zip(axes[0], panels):
                   and s["fold"] in ("default", "u")), key=lambda s: s["buffer_len"])
 
     def level(s):
+      flush_steps = set(s["flush_steps"])
       e = [err for t, err in zip(s["step"], s["state_err"]) if t in flush_steps]
       return float(np.exp(np.mean(np.log(np.maximum(e, 1e-30))))) if e else np.nan
     if conv:

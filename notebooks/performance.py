@@ -96,9 +96,10 @@ print(f"{len(rows)} timed rows from {len(files)} file(s)")
 # %%
 ALL_RUNS = False
 CURRENT = {
-    "batch": {   # speed-up and effective bandwidth vs batch, L = 16
-        "gdn_decode_2026-11-29_s4_small_batch": "GDN decode B = 1-128: output-only and the fold-and-step kernel",
-        "gdn_decode_2026-11-29_s5_reconstruct": "GDN decode B = 32-256: output-only vs the one-launch reconstruct route",
+    "batch": {   # speed-up and effective bandwidth vs batch
+        "gdn_decode_2026-11-29_s4_small_batch": "GDN decode B = 1-128, L = 16: output-only and the fold-and-step kernel",
+        "gdn_decode_2026-11-29_s5_reconstruct": "GDN decode B = 32-256, L = 16: output-only vs the one-launch reconstruct route",
+        "mamba2_decode_2026-11-29_s6_matrix_f32": "Mamba2 decode B = 1-512, L = 4/8, f32: Triton routes (fold pass) and Mosaic reconstruct",
         "model_decode_2026-11-29_s4_policy": "model step (8 GDN layers + MLP), small-batch policy on and off",
     },
     "L": {       # the only L sweeps (session 1-2 kernels)
@@ -109,6 +110,8 @@ CURRENT = {
     "T": {       # speculative verify
         "verify_gdn_2026-11-29_s5_routes": "GDN B = 256, every route; plain replay-pallas = output-only (the default before 164bf10)",
         "verify_mamba2_2026-11-29_s5_matrix": "Mamba2, the default (reconstruct) route, B = 1-256",
+        "verify_gdn_2026-11-29_s6_L8": "GDN B = 256 with L = 8 (the L = 2T rule), T = 2/4",
+        "verify_mamba2_2026-11-29_s6_L8": "Mamba2 B = 256 with L = 8, T = 2/4",
     },
 }
 
@@ -208,11 +211,11 @@ if sp_batch:
   for (src, arm, dt, L), g in sorted(group_by(sp_batch, ["source", "label", "state_dtype", "buffer_len"]).items(),
                                      key=lambda kv: str(kv[0])):
     g = sorted(g, key=lambda r: r["batch"])
-    if len(g) > 1 and L == 16:
+    if len(g) > 1:
       ax.plot([r["batch"] for r in g], [r["speedup_vs_conv"] for r in g], "o-",
-              label=f"{run_tag(src)}: {arm} {short(dt)}")
+              label=f"{run_tag(src)}: {arm} {short(dt)} L={L}")
   ax.axhline(1.0, color="gray", lw=0.8)
-  ax.set(xscale="log", xlabel="batch (rows)", ylabel="speed-up vs conventional (x)", title="Speed-up vs batch (L = 16)")
+  ax.set(xscale="log", xlabel="batch (rows)", ylabel="speed-up vs conventional (x)", title="Speed-up vs batch")
   ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
 else:
   no_data(axes[0], "replay rows with a speed-up")
