@@ -42,6 +42,12 @@ def accumulate_window(S, weights, inside, k_at, u_at, ring_size):
     k_ring = k_at(slice(None))
     Kr = common.load_window(k_ring, inside)                             # [R, BK]
     return S + _window_product((weights[:, None] * U).T, Kr, k_ring.dtype)
+  return rank_one_window(S, weights, inside, k_at, u_at, ring_size)
+
+
+def rank_one_window(S, weights, inside, k_at, u_at, ring_size):
+  """``accumulate_window`` as R unrolled rank-one FMAs, one per ring position, each entry's two
+  loads masked (zeros) outside the window; the loads are independent so they issue together."""
   pos = lax.broadcasted_iota(jnp.int32, (ring_size,), 0)
   for p in range(ring_size):
     at_p = pos == p

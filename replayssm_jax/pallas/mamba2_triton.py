@@ -82,21 +82,13 @@ def _window(r, s, h, base, length, ring_size):
 
 
 def _rebuild(r, s, h, g, tile, cols, window, ring_size):
-  """e^G S_c + Σ_j w_j Δx_j B_jᵀ on the [BP, len(cols)] chunk: R rank-one FMAs, one per ring
-  position, each entry's two loads masked (zeros) outside the window; the loads are independent
-  so they issue together."""
+  """e^G S_c + Σ_j w_j Δx_j B_jᵀ on the [BP, len(cols)] chunk: R rank-one FMAs
+  (``fold_triton.rank_one_window``; B is the key ring, Δx the value ring)."""
   weights, total, inside = window
   S = jnp.exp(total) * r["state"][s, h, tile, cols].astype(f32)
-  pos = lax.broadcasted_iota(jnp.int32, (ring_size,), 0)
-  for p in range(ring_size):
-    at_p = pos == p
-    w = jnp.sum(jnp.where(at_p, weights, 0.0))
-    live = jnp.sum(jnp.where(at_p & inside, 1, 0)) > 0
-    i = jnp.int32(p)  # an array index: interpret mode cannot discharge a Python int in a masked load
-    dx = common.load_entry(r["ring_x"].at[s, h, i, tile], live).astype(f32)
-    Bp = common.load_entry(r["ring_B"].at[s, g, i, cols], live).astype(f32)
-    S = S + (w * dx)[:, None] * Bp[None, :]
-  return S
+  return fold_triton.rank_one_window(S, weights, inside,
+                                     lambda rows: r["ring_B"].at[s, g, rows, cols],
+                                     lambda rows: r["ring_x"].at[s, h, rows, tile], ring_size)
 
 
 def _step_chunk(r, at, s, h, g, tile, cols, window, dA, dx, ring_size):
