@@ -255,3 +255,17 @@ def test_flush_all_arm_gates_against_its_own_reference(tmp_path):
   row = rows["replay-pallas-flushall"]
   assert row["status"] == "ok" and row["gate"]["passed"], row
   assert row["checks"]["cursor_count_back"] and row["checks"]["cursor_base_advanced"], row["checks"]
+
+
+def test_model_trace_sums_stream_kernels_per_step():
+  """bench.model_trace's parser: complete events on GPU stream threads only, summed by name and
+  divided by the steps (host threads and metadata ignored)."""
+  from bench import model_trace  # noqa: PLC0415
+  meta = lambda tid, name: {"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": name}}
+  run = lambda tid, name, dur: {"ph": "X", "pid": 1, "tid": tid, "name": name, "dur": dur}
+  events = [meta(7, "Stream #13(Compute)"), meta(3, "python3"),
+            run(7, "replay_step", 100.0), run(7, "replay_step", 120.0), run(7, "fold", 30.0),
+            run(3, "replay_step", 999.0), {"ph": "i", "pid": 1, "tid": 7, "name": "marker"}]
+  got = model_trace.kernel_times(events, steps=2)
+  assert got == [{"kernel": "replay_step", "us_per_step": 110.0, "launches_per_step": 1.0},
+                 {"kernel": "fold", "us_per_step": 15.0, "launches_per_step": 0.5}]

@@ -1,0 +1,107 @@
+"""Where a model decode step spends its GPU time: per-kernel durations from a profiler trace.
+
+    python -m bench.model_trace --stack mamba2 --buffer-len 8 --batch 256 \
+        --implementations pallas_triton,pallas_mosaic
+    python -m bench.model_trace --smoke      # CPU: tiny stack; no GPU streams, so no kernels listed
+
+The model and its decode loop are bench/model_decode.py's (replay mode, staggered cursor phases,
+one ``jax.jit`` over full flush cycles, cache donated). Per implementation the loop is warmed up,
+then ``--cycles`` cycles of L steps run under ``jax.profiler.trace(create_perfetto_trace=True)``;
+the trace's complete events on GPU stream threads are summed by kernel name and divided by the
+number of steps: microseconds and launches per model step (all layers). This measures kernels in
+place, inside the model, where bench/mamba2_decode.py and bench/gdn_decode.py measure a layer
+alone (bench/NOTES.md item 29: the two can disagree).
+"""
+import argparse
+import collections
+import glob
+import gzip
+import json
+import pathlib
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bench import common
+from bench import model_decode
+from replayssm_jax.models import LMConfig, make_model
+
+
+def kernel_times(events: list[dict], steps: int) -> list[dict]:
+  """Per kernel name: µs and launches per step, from perfetto trace events (complete events "X" on
+  threads whose name mentions a stream), longest first."""
+  streams = {(e.get("pid"), e.get("tid")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"
+             and "stream" in str(e.get("args", {}).get("name", "")).lower()}
+  total, launches = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+      total[e["name"]] += float(e.get("dur", 0.0))
+      launches[e["name"]] += 1
+  return [{"kernel": name, "us_per_step": us / steps, "launches_per_step": launches[name] / steps}
+          for name, us in total.most_common()]
+
+
+def trace_events(trace_dir: str) -> list[dict]:
+  """The events of the perfetto trace that ``jax.profiler.trace`` wrote under ``trace_dir``."""
+  files = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
+  if not files:
+    raise RuntimeError(f"no perfetto trace under {trace_dir}")
+  data = json.load(gzip.open(files[-1]))
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def trace_loop(model, *, batch: int, buffer_len: int, cycles: int, implementation) -> list[dict]:
+  graphdef, params = nnx.split(model)
+  fn = model_decode._loop(graphdef, replay=True, buffer_len=buffer_len,
+                          implementation=implementation, flush_all=None)
+  carry = (jnp.ones((batch,), jnp.int32),
+           model_decode.staggered_cache(model, batch, replay=True, buffer_len=buffer_len))
+  carry = jax.block_until_ready(fn(params, carry, 1))          # compile and warm up
+  with tempfile.TemporaryDirectory() as tdir:
+    with jax.profiler.trace(tdir, create_perfetto_trace=True):
+      jax.block_until_ready(fn(params, carry, cycles))
+    return kernel_times(trace_events(tdir), cycles * buffer_len)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(prog="python -m bench.model_trace", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--smoke", action="store_true", help="tiny stack for CPU")
+  parser.add_argument("--stack", choices=model_decode.STACKS, default="gdn")
+  parser.add_argument("--batch", type=int, default=None, help="rows (default 256; smoke 4)")
+  parser.add_argument("--buffer-len", type=int, default=16)
+  parser.add_argument("--cycles", type=int, default=4, help="flush cycles traced")
+  parser.add_argument("--implementations", default="none",
+                      help="comma-separated; 'none' = implementation=None (the library's choice)")
+  parser.add_argument("--top", type=int, default=14, help="kernels listed per implementation")
+  parser.add_argument("--out-json", default=None)
+  args = parser.parse_args(argv)
+  batch = args.batch or (4 if args.smoke else 256)
+  dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  geometry = model_decode.stack_geometry(args.stack, args.smoke)
+  model = make_model(LMConfig(**geometry, dtype=dtype), seed=0)
+  runs = []
+  for name in args.implementations.split(","):
+    impl = None if name == "none" else name
+    kernels = trace_loop(model, batch=batch, buffer_len=args.buffer_len, cycles=args.cycles,
+                         implementation=impl)
+    total = sum(k["us_per_step"] for k in kernels)
+    common.log(f"{name}: {total:.1f} µs of GPU kernels per step, {len(kernels)} kernels")
+    print(common.render_table(["µs/step", "launches/step", "kernel"],
+                              [[f"{k['us_per_step']:.1f}", f"{k['launches_per_step']:.1f}", k["kernel"][:80]]
+                               for k in kernels[:args.top]]))
+    runs.append({"implementation": name, "us_per_step": total, "kernels": kernels})
+  result = {"meta": common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.model_trace"),
+            "stack": args.stack, "geometry": geometry, "batch": batch, "buffer_len": args.buffer_len,
+            "cycles": args.cycles, "runs": runs}
+  if args.out_json:
+    pathlib.Path(args.out_json).write_text(json.dumps(common.to_jsonable(result), indent=1))
+  return result
+
+
+if __name__ == "__main__":
+  main()
