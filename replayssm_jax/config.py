@@ -121,9 +121,7 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   # Fold: runs on the flushing rows only, one [BV, BK] tile per program. CPU: two V and two K
   # tiles so the tests cover the tile indexing.
   fold = _fold_tile(device_kind, head_k_dim, ring_size)
-  # Rows at staggered phases flush about B/L per step; twice that many row slots keeps one row
-  # per fold program in steady state, and rows beyond (synchronised flushes) loop, never drop.
-  fold_rows = min(batch, _next_pow2(-(-2 * batch // buffer_len)))
+  fold_rows = _decode_fold_rows(batch, buffer_len)
   if route == "reconstruct":
     # The conventional decode's [BV, K] tile (the kernel is that step plus a window replay into the
     # tile). H200 B=256 L=16 f32: [8, K] in 1 warp is faster (0.313 vs 0.360 ms) but the route
@@ -365,10 +363,10 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
   if route == "reconstruct":
     return Mamba2ReplayConfig(step=cfg, route=route)
   # Output-only: a separate fold pass over the flushing rows, as GDN (bench/NOTES.md item 8: a fold
-  # branch inside the step kernel costs every program occupancy); sized as GDN's fold_rows.
+  # branch inside the step kernel costs every program occupancy).
   return Mamba2ReplayConfig(step=cfg, route=route,
                             fold=_mamba2_fold(device_kind, head_dim, state_dim, ring_size),
-                            fold_rows=min(batch, _next_pow2(-(-2 * batch // buffer_len))))
+                            fold_rows=_decode_fold_rows(batch, buffer_len))
 
 
 def mamba2_flush_decode_config(*, device_kind: str, state_dtype, head_dim: int,
@@ -465,6 +463,13 @@ def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
                           head_v_dim=head_v_dim, batch=batch)
   return VerifyConfig(step=step, readout=readout, split=False, fold=base.fold,
                       fold_rows=_verify_fold_rows(batch, buffer_len, num_tokens), route=route)
+
+
+def _decode_fold_rows(batch: int, buffer_len: int) -> int:
+  """Row slots of the decode's fold pass. Rows at staggered phases flush about B/L per step; twice
+  that many row slots keeps one row per fold program in steady state, and rows beyond
+  (synchronised flushes) loop, never drop."""
+  return min(batch, _next_pow2(-(-2 * batch // buffer_len)))
 
 
 def _verify_fold_rows(batch: int, buffer_len: int, num_tokens: int) -> int:

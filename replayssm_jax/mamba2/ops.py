@@ -6,8 +6,9 @@ slots int32[B] (negative = padding row); output [B, H, P] in x's dtype.
 
 Implementations: "xla" (mamba2/xla.py), "pallas_triton" (pallas/mamba2_triton.py, verify ops in
 pallas/mamba2_verify_triton.py; interpreted on CPU) and, for ``decode`` and ``replay_decode``
-(reconstruct route), "pallas_mosaic" (pallas/mamba2_mosaic.py; Hopper, interpreted on CPU). ``implementation=None`` picks the fastest
-available and falls back to XLA where a kernel cannot handle the input (NotImplementedError).
+(reconstruct route), "pallas_mosaic" (pallas/mamba2_mosaic.py; Hopper, interpreted on CPU).
+``implementation=None`` picks the fastest available and falls back to XLA where a kernel cannot
+handle the input (NotImplementedError).
 """
 import jax
 import jax.numpy as jnp
