@@ -2,6 +2,7 @@
 
     python -m bench.model_trace --stack mamba2 --buffer-len 8 --batch 256 \
         --implementations pallas_triton,pallas_mosaic
+    python -m bench.model_trace --modes conventional,replay   # where the two modes differ
     python -m bench.model_trace --smoke      # CPU: tiny stack; no GPU streams, so no kernels listed
 
 The model and its decode loop are bench/model_decode.py's (replay mode, staggered cursor phases,
@@ -54,13 +55,17 @@ def trace_events(trace_dir: str) -> list[dict]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def trace_loop(model, *, batch: int, buffer_len: int, cycles: int, implementation) -> list[dict]:
+def trace_loop(model, *, batch: int, buffer_len: int, cycles: int, implementation,
+               mode: str = "replay", hlo_path=None) -> list[dict]:
+  replay, flush_all = model_decode.MODES[mode]
   graphdef, params = nnx.split(model)
-  fn = model_decode._loop(graphdef, replay=True, buffer_len=buffer_len,
-                          implementation=implementation, flush_all=None)
+  fn = model_decode._loop(graphdef, replay=replay, buffer_len=buffer_len,
+                          implementation=implementation, flush_all=flush_all)
   carry = (jnp.ones((batch,), jnp.int32),
-           model_decode.staggered_cache(model, batch, replay=True, buffer_len=buffer_len))
+           model_decode.staggered_cache(model, batch, replay=replay, buffer_len=buffer_len))
   carry = jax.block_until_ready(fn(params, carry, 1))          # compile and warm up
+  if hlo_path:   # the optimized HLO names the fusions the trace lists
+    pathlib.Path(hlo_path).write_text(fn.lower(params, carry, cycles).compile().as_text())
   with tempfile.TemporaryDirectory() as tdir:
     with jax.profiler.trace(tdir, create_perfetto_trace=True):
       jax.block_until_ready(fn(params, carry, cycles))
@@ -77,24 +82,30 @@ def main(argv=None) -> dict:
   parser.add_argument("--cycles", type=int, default=4, help="flush cycles traced")
   parser.add_argument("--implementations", default="none",
                       help="comma-separated; 'none' = implementation=None (the library's choice)")
+  parser.add_argument("--modes", default="replay",
+                      help=f"comma-separated decode modes of bench.model_decode: {', '.join(model_decode.MODES)}")
   parser.add_argument("--top", type=int, default=14, help="kernels listed per implementation")
   parser.add_argument("--out-json", default=None)
+  parser.add_argument("--hlo-dir", default=None,
+                      help="write each loop's optimized HLO here (to map fusion names to ops)")
   args = parser.parse_args(argv)
   batch = args.batch or (4 if args.smoke else 256)
   dtype = jnp.float32 if args.smoke else jnp.bfloat16
   geometry = model_decode.stack_geometry(args.stack, args.smoke)
   model = make_model(LMConfig(**geometry, dtype=dtype), seed=0)
   runs = []
-  for name in args.implementations.split(","):
-    impl = None if name == "none" else name
-    kernels = trace_loop(model, batch=batch, buffer_len=args.buffer_len, cycles=args.cycles,
-                         implementation=impl)
-    total = sum(k["us_per_step"] for k in kernels)
-    common.log(f"{name}: {total:.1f} µs of GPU kernels per step, {len(kernels)} kernels")
-    print(common.render_table(["µs/step", "launches/step", "kernel"],
-                              [[f"{k['us_per_step']:.1f}", f"{k['launches_per_step']:.1f}", k["kernel"][:80]]
-                               for k in kernels[:args.top]]))
-    runs.append({"implementation": name, "us_per_step": total, "kernels": kernels})
+  for mode in args.modes.split(","):
+    for name in args.implementations.split(","):
+      impl = None if name == "none" else name
+      kernels = trace_loop(model, batch=batch, buffer_len=args.buffer_len, cycles=args.cycles,
+                           implementation=impl, mode=mode,
+                           hlo_path=args.hlo_dir and pathlib.Path(args.hlo_dir, f"{mode}_{name}.hlo.txt"))
+      total = sum(k["us_per_step"] for k in kernels)
+      common.log(f"{mode}, {name}: {total:.1f} µs of GPU kernels per step, {len(kernels)} kernels")
+      print(common.render_table(["µs/step", "launches/step", "kernel"],
+                                [[f"{k['us_per_step']:.1f}", f"{k['launches_per_step']:.1f}", k["kernel"][:80]]
+                                 for k in kernels[:args.top]]))
+      runs.append({"mode": mode, "implementation": name, "us_per_step": total, "kernels": kernels})
   result = {"meta": common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.model_trace"),
             "stack": args.stack, "geometry": geometry, "batch": batch, "buffer_len": args.buffer_len,
             "cycles": args.cycles, "runs": runs}

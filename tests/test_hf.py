@@ -68,8 +68,9 @@ def export_qwen(model, *, split: bool):
     p, m = f"model.layers.{i}.", blk.mixer
     t[p + "input_layernorm.weight"] = _np(blk.mixer_norm.weight[...])
     t[p + "post_attention_layernorm.weight"] = _np(blk.mlp_norm.weight[...])
-    for name in ("gate", "up", "down"):
-      t[p + f"mlp.{name}_proj.weight"] = _np(getattr(blk.mlp, name).kernel[...]).T
+    gate, up = np.split(_np(blk.mlp.gate_up.kernel[...]), 2, axis=1)
+    t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = gate.T, up.T
+    t[p + "mlp.down_proj.weight"] = _np(blk.mlp.down.kernel[...]).T
     w = _np(m.in_proj.kernel[...]).T                      # [out, D], rows q | k | v | z | b | a
     o = np.cumsum([0, hk * kd, hk * kd, hv * vd, hv * vd, hv, hv])
     q, k, v, z, b, a = (w[o[j]:o[j + 1]] for j in range(6))

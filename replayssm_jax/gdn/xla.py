@@ -23,7 +23,6 @@ def _per_v_head(x, num_v_heads):
 
 
 _gather = _slots.gather
-_scatter_index = _slots.scatter_index
 
 
 def _delta_step(S, q, k, v, g, beta, scale):
@@ -41,8 +40,7 @@ def decode(q, k, v, g, beta, pool, slots, *, scale):
   S = _gather(pool, slots).astype(f32)
   qh, kh = _per_v_head(q.astype(f32), hv), _per_v_head(k.astype(f32), hv)
   o, _, S_new = _delta_step(S, qh, kh, v.astype(f32), g.astype(f32), beta.astype(f32), scale)
-  idx = _scatter_index(slots, pool.shape[0])
-  pool = pool.at[idx].set(S_new.astype(pool.dtype), mode="drop")
+  pool = _slots.scatter_rows(pool, slots, S_new)
   o = jnp.where((slots >= 0)[:, None, None], o, 0.0)
   return o.astype(v.dtype), pool
 
@@ -110,8 +108,7 @@ def _append_and_fold(bufs: ReplayBuffers, plan: ReplayPlan, lanes, k, u, g, v, b
   bufs = bufs.replace(**new)
   if fold == "exact":
     S_fold = _exact_replay(bufs, plan.slots, plan.base, plan.fold_length())
-  flush_idx = _scatter_index(jnp.where(plan.flush, plan.slots, -1), bufs.num_slots)
-  return bufs.replace(state=bufs.state.at[flush_idx].set(S_fold.astype(bufs.state.dtype), mode="drop"))
+  return bufs.replace(state=_slots.scatter_rows(bufs.state, jnp.where(plan.flush, plan.slots, -1), S_fold))
 
 
 def _exact_replay(bufs: ReplayBuffers, slots, base, length):

@@ -45,7 +45,7 @@ def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus):
   x32, dx, dA, Bh, Ch = _inputs(x, dt, A, B, C, dt_bias, dt_softplus)
   S_new = _update(_slots.gather(pool, slots).astype(f32), dA, dx, Bh)
   y = jnp.einsum("bhpn,bhn->bhp", S_new, Ch, precision=HIGHEST)
-  pool = pool.at[_slots.scatter_index(slots, pool.shape[0])].set(S_new.astype(pool.dtype), mode="drop")
+  pool = _slots.scatter_rows(pool, slots, S_new)
   return _finish(y, x32, D, z, slots, x.dtype), pool
 
 
@@ -75,8 +75,7 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   ring_a = bufs.ring_a.at[idx, :, pos].set(dA, mode="drop")
 
   # Flushing rows: checkpoint = S_t (window and token 0 folded).
-  flush_idx = _slots.scatter_index(jnp.where(plan.flush, slots, -1), bufs.num_slots)
-  state = bufs.state.at[flush_idx].set(S_new.astype(bufs.state.dtype), mode="drop")
+  state = _slots.scatter_rows(bufs.state, jnp.where(plan.flush, slots, -1), S_new)
   return (_finish(y, x32, D, z, slots, x.dtype),
           bufs.replace(state=state, ring_x=ring_x, ring_B=ring_B, ring_a=ring_a))
 
@@ -150,8 +149,7 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
   pos = (plan.write_index(0)[:, None] + jnp.arange(t, dtype=jnp.int32)) % plan.ring_size
   put = lambda ring, a: ring.at[idx, :, pos].set(a.astype(ring.dtype), mode="drop")
   S_fold = _update(S_h, dAh[..., 0], dxh[..., 0, :], Bhh[..., 0, :])
-  flush_idx = _slots.scatter_index(jnp.where(plan.flush, slots, -1), bufs.num_slots)
-  return y, bufs.replace(state=bufs.state.at[flush_idx].set(S_fold.astype(bufs.state.dtype), mode="drop"),
+  return y, bufs.replace(state=_slots.scatter_rows(bufs.state, jnp.where(plan.flush, slots, -1), S_fold),
                          ring_x=put(bufs.ring_x, dx), ring_B=put(bufs.ring_B, B), ring_a=put(bufs.ring_a, dA))
 
 

@@ -5,14 +5,12 @@ stand-in cursor a layer's ``prefill`` hands to ``write_state``.
 Shapes: x [B, T, C] (prefill, verify) or [B, C] (decode); weight [W, C]; bias [C] or None;
 conv_state [N, W-1, C] per pool slot, oldest input first; a verify window [B, W-1+T, C].
 """
-import jax
 import jax.numpy as jnp
 
-from replayssm_jax import _checks
+from replayssm_jax import _checks, _slots
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 
 f32 = jnp.float32
-HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def real_positions(x, slots, lengths):
@@ -33,6 +31,18 @@ def plan_slots(plan, batch: int):
   return plan.slots
 
 
+def _taps(window, weight, bias, t):
+  """out_t = Σ_{i<W} w_i · window_{t+i} (+ bias) for t < T: window [B, W-1+T, C] → [B, T, C] f32.
+
+  Written as W elementwise multiply-adds, not a dot: a contraction over W = 4 with C as a batch
+  dimension let XLA pick channel-major layouts for the window, and the gather, concatenate and
+  scatter of the conv state around it ran several times slower than their bytes (bench.model_trace).
+  """
+  wt = weight.astype(f32)
+  out = sum(wt[i] * window[:, i:i + t].astype(f32) for i in range(weight.shape[0]))
+  return out if bias is None else out + bias.astype(f32)
+
+
 def prefill(x, weight, bias, conv_state, slots, lengths, *, resume=False):
   """Causal conv over right-padded prompts: out_t = Σ_{i<W} w_i · x_{t−(W−1)+i} (+ bias), zeros
   before the prompt start (``resume=False``) or the slot's stored W-1 inputs (``resume=True``:
@@ -46,28 +56,20 @@ def prefill(x, weight, bias, conv_state, slots, lengths, *, resume=False):
     padded = jnp.concatenate([hist, x], axis=1)                          # [B, W-1+T, C]
   else:
     padded = jnp.pad(x, ((0, 0), (w - 1, 0), (0, 0)))                     # [B, T+W-1, C]
-  wt = weight.astype(f32)
-  out = sum(wt[i] * padded[:, i:i + t].astype(f32) for i in range(w))
-  if bias is not None:
-    out = out + bias.astype(f32)
+  out = _taps(padded, weight, bias, t)
   # The W-1 inputs before position lengths[b]: padded rows lengths[b] .. lengths[b] + W-2.
   tail = jnp.take_along_axis(padded, (lengths[:, None] + jnp.arange(w - 1)[None, :])[:, :, None],
                              axis=1)
-  put = jnp.where(slots >= 0, slots, conv_state.shape[0])
-  return out, conv_state.at[put].set(tail.astype(conv_state.dtype), mode="drop")
+  return out, _slots.scatter_rows(conv_state, slots, tail)
 
 
 def step(x, weight, bias, conv_state, slots):
   """One token per row: window = [W-1 stored inputs, x]; out = Σ_i w_i · window_i (+ bias).
   Returns (pre-activation [B, C] float32, conv_state); padding rows (slot < 0) change nothing."""
-  live = slots >= 0
-  hist = conv_state[jnp.where(live, slots, 0)]                           # [B, W-1, C]
+  hist = _slots.gather(conv_state, slots)                                # [B, W-1, C]
   window = jnp.concatenate([hist, x[:, None, :].astype(hist.dtype)], axis=1)
-  out = jnp.einsum("bwc,wc->bc", window.astype(f32), weight.astype(f32), precision=HIGHEST)
-  if bias is not None:
-    out = out + bias.astype(f32)
-  put = jnp.where(live, slots, conv_state.shape[0])
-  return out, conv_state.at[put].set(window[:, 1:], mode="drop")
+  out = _taps(window, weight, bias, 1)[:, 0]
+  return out, _slots.scatter_rows(conv_state, slots, window[:, 1:])
 
 
 def verify(x, weight, bias, conv_state, slots):
@@ -80,15 +82,9 @@ def verify(x, weight, bias, conv_state, slots):
   Returns:
     (pre-activation [B, T, C] float32, window [B, W-1+T, C] in the conv state's dtype).
   """
-  w, t = weight.shape[0], x.shape[1]
-  live = slots >= 0
-  hist = conv_state[jnp.where(live, slots, 0)]                           # [B, W-1, C]
+  hist = _slots.gather(conv_state, slots)                                # [B, W-1, C]
   window = jnp.concatenate([hist, x.astype(hist.dtype)], axis=1)         # [B, W-1+T, C]
-  taps = jnp.stack([window[:, i:i + t] for i in range(w)], axis=2)       # [B, T, W, C]
-  out = jnp.einsum("btwc,wc->btc", taps.astype(f32), weight.astype(f32), precision=HIGHEST)
-  if bias is not None:
-    out = out + bias.astype(f32)
-  return out, window
+  return _taps(window, weight, bias, x.shape[1]), window
 
 
 def commit(conv_state, window, slots, num_accepted):
@@ -107,8 +103,7 @@ def commit(conv_state, window, slots, num_accepted):
   keep = conv_state.shape[1]
   rows = num_accepted[:, None] + jnp.arange(keep)[None, :]                # [B, W-1]
   tail = jnp.take_along_axis(window, rows[:, :, None], axis=1)
-  put = jnp.where(slots >= 0, slots, conv_state.shape[0])
-  return conv_state.at[put].set(tail.astype(conv_state.dtype), mode="drop")
+  return _slots.scatter_rows(conv_state, slots, tail)
 
 
 def stand_in_cursor(bufs) -> ReplayCursor:

@@ -22,7 +22,8 @@ HF tensor [shape]                                      LM parameter
 ``layers.{i}.linear_attn.A_log``, ``dt_bias`` [Hv]      ``blocks[i].mixer.A_log``, ``dt_bias`` (float32)
 ``layers.{i}.linear_attn.norm.weight`` [V]              ``blocks[i].mixer.norm_weight`` (gated RMSNorm, plain weight)
 ``layers.{i}.linear_attn.out_proj.weight`` [D, Hv·V]    ``blocks[i].mixer.out_proj.kernel`` (transposed)
-``layers.{i}.mlp.{gate,up,down}_proj.weight``           ``blocks[i].mlp.{gate,up,down}.kernel`` (transposed; SwiGLU)
+``layers.{i}.mlp.{gate,up}_proj.weight`` [I, D]         ``blocks[i].mlp.gate_up.kernel`` [D, 2·I] (both transposed, gate | up)
+``layers.{i}.mlp.down_proj.weight`` [D, I]              ``blocks[i].mlp.down.kernel`` (transposed; SwiGLU)
 ``norm.weight`` [D]                                     ``final_norm.weight`` (zero-centred)
 ``lm_head.weight`` [V, D]                               ``head.kernel`` (transposed; the embedding if tied and absent)
 ====================================================  ===========================================
@@ -268,9 +269,9 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
       out[blk + "mixer_norm.weight"] = t.take(layer + "input_layernorm.weight", (d,))
       out[blk + "mlp_norm.weight"] = t.take(layer + "post_attention_layernorm.weight", (d,))
       out.update(_gdn(t, layer + "linear_attn.", blk + "mixer.", c))
-      for name, shape in (("gate", (c.intermediate_size, d)), ("up", (c.intermediate_size, d)),
-                          ("down", (d, c.intermediate_size))):
-        out[blk + f"mlp.{name}.kernel"] = t.take(layer + f"mlp.{name}_proj.weight", shape).T
+      gate, up = (t.take(layer + f"mlp.{name}_proj.weight", (c.intermediate_size, d)) for name in ("gate", "up"))
+      out[blk + "mlp.gate_up.kernel"] = np.concatenate([gate, up]).T
+      out[blk + "mlp.down.kernel"] = t.take(layer + "mlp.down_proj.weight", (d, c.intermediate_size)).T
     else:
       layer = f"{prefix}layers.{i}."
       if kind == "mamba2":
