@@ -408,7 +408,7 @@ def run_case(bench: LayerBench, case: Case, runner, gate_fn, ref_gate_fn, args, 
   row["gate_s"] = time.perf_counter() - t0
 
   t0 = time.perf_counter()
-  call = lambda c, n: runner(c, consts, np.int32(n))
+  call = lambda c, n, consts=consts: runner(c, consts, np.int32(n))   # bound: consts is deleted below
   carry, timing = common.time_loop(call, carry, reps=args.reps, rep_seconds=args.rep_seconds)
   row["run_s"] = time.perf_counter() - t0
   row["checks"] = _post_checks(case, carry, host, timing.cycles_run)
@@ -529,7 +529,7 @@ def run_group(bench: LayerBench, sdt, B, cases, args, bar) -> list[dict]:
   common.log(f"state={sdt} B={B}: {len(cases)} arms, lowered {len(lowered)} programs in {lower_s:.1f}s, "
              f"compiled in {compile_wall:.1f}s ({args.compile_workers} workers)")
 
-  def get(key):
+  def get(key, compiled=compiled):   # bound: the group's programs are deleted after its cases ran
     if key in errors:
       return errors[key], 0.0
     return compiled.get(key, (None, 0.0))

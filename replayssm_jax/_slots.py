@@ -66,8 +66,9 @@ def scatter_index(slots, num_slots):
 def scatter_rows(pool, slots, rows):
   """pool[slots[b]] = rows[b] on live rows; padding rows (slot < 0) write nothing.
 
-  Declared unique: an XLA scatter whose indices may repeat ran 2.7x slower on the H200 for a bf16
-  pool (a [256, 3, 8192] conv state: 62 → 23 µs per step; float32 unaffected; bench/NOTES.md 31).
+  Declared unique: with indices that may repeat, XLA's scatter into a bf16 pool was more than twice
+  as slow on the H200 (the [256, 3, 8192] conv-state step: 77 → 35 µs per call in
+  ``bench.model_parts``; bench/NOTES.md 31).
   """
   return pool.at[scatter_index(slots, pool.shape[0])].set(rows.astype(pool.dtype), mode="drop",
                                                           unique_indices=True)

@@ -196,11 +196,12 @@ def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int, family: 
   # f32 state, L <= 8 (the auto route: reconstruct for B = 8-128): replay 0.76x / 0.98x / 1.09x /
   # 1.17x at B = 1 / 8 / 32 / 128 (L = 8) → below 32. L = 16: replay loses up to B = 128 (best
   # route 0.90x) and wins at 256 (1.17x) → below 256.
-  # bf16 state (output-only, L = 8): replay 0.72x / 0.44x / 0.63x / 0.95x at B = 1 / 8 / 32 / 128,
-  # ≥ 1.0x only at B = 256 (session 2) → below 256.
+  # bf16 state, output-only (the auto route), session 7 matrix: L = 8 / 16 replay 0.83x / 0.86x at
+  # B = 32, 1.05x / 1.03x at B = 128; L = 4 0.99x at B = 128, 1.06x at 256 → below 128 for L ≥ 8,
+  # else below 256.
   if _is_f32(state_dtype):
     return 32 if buffer_len <= 8 else 256
-  return 256
+  return 128 if buffer_len >= 8 else 256
 
 
 def materialize_config(*, device_kind: str, head_k_dim: int, head_v_dim: int,
@@ -338,8 +339,9 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
     # 0.84x / 0.80x), 1.32x / 1.17x at B = 128 (output-only 1.09x / 1.17x), 1.23x / 1.11x at
     # B = 256 (output-only 1.13x / 1.12x): its grid has one head per program, 4x the programs of
     # output-only, and the rebuild's rank-one FMAs need no reductions. At L = 16 output-only wins
-    # everywhere (B = 256: 1.17x vs 0.40x), and at B = 1 (L = 4: 0.89x vs 0.77x). bf16 state:
-    # only output-only has been timed at small B.
+    # everywhere (B = 256: 1.17x vs 0.40x), and at B = 1 (L = 4: 0.89x vs 0.77x). bf16 state
+    # (session 7 matrix): output-only wins at every B ≥ 128 and L (B = 256 L = 8: 1.13x vs 0.65x);
+    # reconstruct wins only at B ≤ 32, L = 4, where the small-batch policy flushes every step.
     window_cheap = buffer_len <= 4 or (buffer_len <= 8 and batch <= 128)
     small = _is_f32(state_dtype) and window_cheap and batch >= 8 and not _is_cpu(device_kind)
     route = "reconstruct" if small else "output_only"
@@ -466,10 +468,12 @@ def verify_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
 
 
 def _decode_fold_rows(batch: int, buffer_len: int) -> int:
-  """Row slots of the decode's fold pass. Rows at staggered phases flush about B/L per step; twice
-  that many row slots keeps one row per fold program in steady state, and rows beyond
-  (synchronised flushes) loop, never drop."""
-  return min(batch, _next_pow2(-(-2 * batch // buffer_len)))
+  """Row slots of the decode's fold pass. Rows at staggered phases flush about B/L per step: that
+  many row slots gives one row per fold program in steady state, and rows beyond (synchronised
+  flushes) loop, never drop. H200 2026-11-29 (bench/NOTES.md 32), GDN B=256 L=16: B/L slots
+  0.2015 ms f32 / 0.1349 bf16, 2B/L 0.2019 / 0.1360, 4B/L 0.2067 / 0.1406 (empty programs cost);
+  Mamba2 B=256 L=8 f32: B/L 0.4420, 2B/L 0.4419."""
+  return min(batch, _next_pow2(-(-batch // buffer_len)))
 
 
 def _verify_fold_rows(batch: int, buffer_len: int, num_tokens: int) -> int:

@@ -4,6 +4,7 @@ The oracles here are plain numpy float64 loops written from DESIGN §2, independ
 library's jnp code, so a bug shared by the XLA path and a kernel cannot hide.
 """
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +110,10 @@ def lower_for_h200(fn, donate, *args) -> str:
   with common.force_lowering(), use_abstract_mesh(mesh):
     lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("cuda",))
   return lowered.as_text()
+
+
+def with_xla_flags(*flags: str) -> dict:
+  """This process's environment with ``flags`` added to XLA_FLAGS, for a test's CPU subprocess
+  (which so keeps conftest's compile-speed flag)."""
+  return dict(os.environ, XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip(),
+              JAX_PLATFORMS="cpu")

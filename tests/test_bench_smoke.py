@@ -10,6 +10,7 @@ import pytest
 from bench import common
 from bench import gdn_decode
 from bench import harness
+from tests.helpers import with_xla_flags
 
 META_FIELDS = ("date", "device_kind", "platform", "jax_version", "jaxlib_version", "command", "argv",
                "git_commit", "source_digest", "geometry", "options", "elapsed_s")
@@ -230,12 +231,11 @@ def test_tp_decode_smoke(tmp_path):
   """bench.tp_decode on 2 CPU host devices (a subprocess: the device count is fixed at backend start):
   sharded greedy tokens == one-device tokens, caches equal. The timing part (CPU times mean nothing)
   is left to the GPU run; it shares ``staggered_cache``/``step_row`` with model_decode's smoke test."""
-  import os
   import pathlib
   import subprocess
   import sys
   out = tmp_path / "tp.json"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env = with_xla_flags("--xla_force_host_platform_device_count=2")
   subprocess.run([sys.executable, "-m", "bench.tp_decode", "--smoke", "--steps", "6", "--skip-timing",
                   "--out-json", str(out)],
                  cwd=pathlib.Path(__file__).resolve().parent.parent, env=env, check=True, timeout=600)

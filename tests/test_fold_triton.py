@@ -59,3 +59,14 @@ def test_fold_matches_float64_step_loop(ring_dtype):
   assert np.all(got[1] == 0.0)                                   # padding row: zeros
   rel = np.max(np.abs(got - want)) / np.max(np.abs(want))
   assert rel < 1e-6, rel                                         # f32 accuracy, not TF32 / bf16
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_compact_rows_lists_flagged_rows_in_order(batch):
+  """compact_rows == jnp.nonzero(size=B, fill_value=0): the fold grid's row list."""
+  rng = np.random.default_rng(batch)
+  for p in (0.0, 0.1, 0.5, 1.0):
+    flags = rng.random(batch) < p
+    want = np.flatnonzero(flags)
+    got = np.asarray(fold_triton.compact_rows(jnp.asarray(flags)))
+    np.testing.assert_array_equal(got, np.concatenate([want, np.zeros(batch - len(want), np.int64)]))

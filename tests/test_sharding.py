@@ -10,12 +10,13 @@ steps with buffer_len 4 (natural flushes) plus one forced flush, in replay and c
 sharded logits == unsharded logits (float32, up to the psum's summation order), greedy tokens
 identical, and every cache array (checkpoints, rings, conv states, cursor) equal after unsharding.
 """
-import os
 import pathlib
 import subprocess
 import sys
 
 import numpy as np
+
+from tests.helpers import with_xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ATOL = 2e-5
@@ -67,7 +68,7 @@ def _check():
 
 
 def test_sharded_equals_unsharded_on_4_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  env = with_xla_flags("--xla_force_host_platform_device_count=4")
   proc = subprocess.run([sys.executable, "-c", "import tests.test_sharding as t; t._check()"], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0 and "sharding checks passed" in proc.stdout, proc.stdout + proc.stderr[-6000:]

@@ -188,8 +188,8 @@ class SwiGLU(nnx.Module):
   """down(silu(gate(x)) · up(x)), gate and up as one [D, 2·I] projection (columns gate | up).
 
   One matrix, not two: XLA merged two projections of the same x into one dot over concatenated
-  weights and picked a slower kernel for it (B=256, D=2560, I=9216 bf16 on the H200: the MLP took
-  107 µs per call that way, 75 µs with the weights stored together; bench/NOTES.md 31).
+  weights and picked a slower kernel for it (B=256, D=2560, I=9216 bf16 on the H200: 126 µs per
+  MLP call that way, 89 µs with the weights stored together, ``bench.model_parts``; NOTES.md 31).
   """
 
   def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):

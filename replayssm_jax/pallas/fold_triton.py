@@ -149,13 +149,26 @@ def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, 
   return result
 
 
+def compact_rows(flags):
+  """The indices of the True entries of bool[B] in ascending order, then zeros: int32[B].
+
+  ``jnp.nonzero(flags, size=B)`` computed as ranks (True entries before each row: one [B, B]
+  compare-and-sum) and a unique scatter, not a cumulative sum: XLA ran that sum as a 10 µs
+  reduce-window kernel per model step on the H200 (bench/NOTES.md 31).
+  """
+  b = flags.shape[0]
+  idx = jnp.arange(b, dtype=jnp.int32)
+  before = jnp.sum((flags[None, :] & (idx[None, :] < idx[:, None])).astype(jnp.int32), axis=1)
+  pos = jnp.where(flags, before, b + idx)
+  return jnp.zeros((b,), jnp.int32).at[pos].set(idx, mode="drop", unique_indices=True)
+
+
 def fold_flushing_rows(state, ring_k, ring_u, ring_g, plan: ReplayPlan, *, cfg, row_slots,
                        interpret, name):
   """The flush pass after a step kernel appended token 0: flushing rows fold
   ``plan.fold_length()`` entries (window + token 0) into their checkpoint; returns the state."""
   # Compact the flushing rows to the front so the fold grid is sized for them, not for the batch.
-  batch = plan.slots.shape[0]
-  rows = jnp.nonzero(plan.flush, size=batch, fill_value=0)[0].astype(jnp.int32)
+  rows = compact_rows(plan.flush)
   return fold(state, ring_k, ring_u, ring_g, plan.slots, plan.base, plan.fold_length(), rows,
               jnp.sum(plan.flush), cfg=cfg, row_slots=row_slots, interpret=interpret,
               into_checkpoint=True, name=name)
