@@ -167,6 +167,37 @@ def test_model_decode_smoke(tmp_path):
   assert "| replay |" in md.read_text()
 
 
+def test_model_parts_smoke_compares_like_with_like(tmp_path):
+  """bench.model_parts: each pair of arms computes the same thing (conv outputs on live rows and the
+  conv state; the two MLP forms with the same weights), and the smoke run writes one row per arm."""
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from bench import model_parts
+  from replayssm_jax.models.lm import SwiGLU
+  x = common.hash_normal(1, (4, 16)).astype(jnp.bfloat16)
+  weight, pool = common.hash_normal(2, (4, 16)), common.hash_normal(3, (6, 3, 16)).astype(jnp.bfloat16)
+  slots = jnp.array([4, -1, 0, 2], jnp.int32)
+  (o1, p1), (o2, p2) = (arm(x, weight, pool, slots) for arm in model_parts.CONV_ARMS.values())
+  live = np.asarray(slots) >= 0
+  np.testing.assert_array_equal(np.asarray(o1)[live], np.asarray(o2)[live])
+  np.testing.assert_array_equal(np.asarray(p1, np.float32), np.asarray(p2, np.float32))
+  assert not np.array_equal(np.asarray(p1, np.float32), np.asarray(pool, np.float32))
+  fused = SwiGLU(8, 12, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  two = model_parts.TwoProjections(8, 12, dtype=jnp.float32, rngs=nnx.Rngs(1))
+  gate, up = jnp.split(fused.gate_up.kernel[...], 2, axis=1)
+  two.gate.kernel[...], two.up.kernel[...], two.down.kernel[...] = gate, up, fused.down.kernel[...]
+  h = common.hash_normal(4, (3, 8))
+  np.testing.assert_allclose(np.asarray(fused(h)), np.asarray(two(h)), rtol=1e-6, atol=1e-6)
+
+  out = tmp_path / "parts.json"
+  model_parts.main(["--smoke", "--reps", "2", "--rep-seconds", "0.001", "--out-json", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["part"] for r in rows] == [*model_parts.CONV_ARMS, *model_parts.MLP_ARMS]
+  assert all(r["us_median"] > 0 for r in rows)
+
+
 def test_a_group_that_cannot_be_set_up_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
   """Buffers that cannot be built for a group (e.g. past the random generator's index range) give
   error rows; the run still writes its results."""
