@@ -9,7 +9,8 @@
 Families (``--family``): ``gdn`` — one Qwen3.5-4B GDN layer (Hk 16, Hv 32, K = V = 128), ops
 ``rs.gdn.replay_verify`` / ``rs.gdn.verify_conventional``; ``mamba2`` — one Nemotron-3-Super layer
 (H 128, P 64, N 128, G 8), ``rs.mamba2.replay_verify`` / ``rs.mamba2.verify_conventional``. Only the
-public ops are called, with implementation "pallas_triton" (``*-pallas`` arms) or "xla"; an
+public ops are called, with implementation "pallas_triton" (``*-pallas`` arms), "pallas_mosaic"
+(``replay-mosaic``, speed-up against conv-pallas) or "xla"; an
 implementation that is not available yet is recorded as a skipped row. Activations bf16, g / dt
 float32, ring in ``--ring-dtype`` (bf16).
 
@@ -50,7 +51,8 @@ import replayssm_jax as rs
 from bench import common
 from bench.common import hash_normal, hash_uniform, l2_normalize
 
-ARMS = ("replay-pallas", "replay-xla", "conv-pallas", "conv-xla")
+ARMS = ("replay-pallas", "replay-xla", "conv-pallas", "conv-xla", "replay-mosaic")
+DEFAULT_ARMS = ARMS[:4]   # replay-mosaic (GDN only; Hopper) by name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +255,7 @@ def first_output(setup: Setup, kind: str, impl: str, carry, consts):
 
 def run_arm(setup: Setup, arm: str, args) -> dict:
   kind, impl = arm.split("-")
-  impl = {"pallas": "pallas_triton", "xla": "xla"}[impl]
+  impl = {"pallas": "pallas_triton", "xla": "xla", "mosaic": "pallas_mosaic"}[impl]
   if setup.knobs:
     arm = f"{arm}[{' '.join(f'{k}={v}' for k, v in setup.knobs)}]"
   row = {"arm": arm, "family": setup.family.name, "kind": kind, "impl": impl, "batch": setup.batch,
@@ -291,12 +293,14 @@ def run_arm(setup: Setup, arm: str, args) -> dict:
 
 
 def derive(rows):
-  """Speedups of the replay arms over the conventional arm of the same implementation (and conv-pallas)."""
+  """Speedups of the replay arms over the conventional arm of the same implementation (and conv-pallas).
+  Mosaic has no conventional verify: its replay arm's ``speedup_vs_conv`` is against conv-pallas."""
   key = lambda r: (r["family"], r["state_dtype"], r["num_tokens"], r["batch"])
   conv = {(key(r), r["impl"]): r["median_ms"] for r in rows if r["kind"] == "conv" and r["status"] == "ok"}
   for r in rows:
     ok = r["kind"] == "replay" and r["status"] == "ok"
     same, pallas = conv.get((key(r), r["impl"])), conv.get((key(r), "pallas_triton"))
+    same = same if r["impl"] != "pallas_mosaic" else pallas
     r["speedup_vs_conv"] = same / r["median_ms"] if ok and same else None
     r["speedup_vs_conv_pallas"] = pallas / r["median_ms"] if ok and pallas else None
 
@@ -349,7 +353,7 @@ def parse_args(argv):
   p.add_argument("--state-dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
   p.add_argument("--ring-dtype", default="bfloat16")
   p.add_argument("--act-dtype", default="bfloat16")
-  p.add_argument("--arms", type=lambda s: s.split(","), default=list(ARMS))
+  p.add_argument("--arms", type=lambda s: s.split(","), default=list(DEFAULT_ARMS))
   p.add_argument("--variants", type=_variants, default=[()],
                  help="launch variants of the replay-pallas arm, comma-separated, each "
                       "key=value[:key=value...], e.g. block_v=64:matmul=tf32x3 ('' = the config's)")

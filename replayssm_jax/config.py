@@ -605,6 +605,14 @@ def mosaic_mamba2_replay_config(*, device_kind: str, head_dim: int) -> MosaicCon
   return mosaic_mamba2_decode_config(device_kind=device_kind, head_dim=head_dim)
 
 
+def mosaic_verify_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
+  """Verify (reconstruct route), grid (V/BV, Hv, B): one checkpoint tile and the row's ring in SMEM."""
+  # *untuned*: the replay tile, the smallest that lowers (the Triton reconstruct route ran fastest
+  # with its smallest tile, [8, K]; Mosaic's WGMMA layout cannot go below 64 rows).
+  return mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
+                              head_v_dim=head_v_dim, num_k_heads=1, group=1, batch=1)
+
+
 def mosaic_materialize_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
   """Materialize, grid (V/BV, Hv, B), f32 output tile staged in SMEM."""
   # *untuned*: the replay tile (same fold body; not on the decode hot path).

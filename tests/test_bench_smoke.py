@@ -234,7 +234,7 @@ def test_verify_decode_smoke(tmp_path):
   data = json.loads(out.read_text())
   assert data["meta"]["command"].startswith("python -m bench.verify_decode --smoke")
   rows = {r["arm"]: r for r in data["rows"]}
-  assert set(rows) == set(verify_decode.ARMS) and len(result["rows"]) == 4
+  assert set(rows) == set(verify_decode.DEFAULT_ARMS) and len(result["rows"]) == 4
   for r in rows.values():
     assert r["status"] == "ok", (r["arm"], r["status"], r["error"], r.get("gate"))
     assert r["gate"]["o_rel_vs_xla"] <= r["gate"]["tol_rel"]
@@ -300,3 +300,16 @@ def test_model_trace_sums_stream_kernels_per_step():
   got = model_trace.kernel_times(events, steps=2)
   assert got == [{"kernel": "replay_step", "us_per_step": 110.0, "launches_per_step": 1.0},
                  {"kernel": "fold", "us_per_step": 15.0, "launches_per_step": 0.5}]
+
+
+def test_verify_mosaic_arm_is_compared_with_conv_pallas():
+  """Mosaic has no conventional verify: the replay-mosaic row's speed-up is against conv-pallas."""
+  from bench import verify_decode  # noqa: PLC0415
+  base = dict(family="gdn", state_dtype="float32", num_tokens=4, batch=8, status="ok")
+  rows = [dict(base, kind="conv", impl="pallas_triton", median_ms=2.0),
+          dict(base, kind="conv", impl="xla", median_ms=8.0),
+          dict(base, kind="replay", impl="pallas_mosaic", median_ms=1.0),
+          dict(base, kind="replay", impl="xla", median_ms=4.0)]
+  verify_decode.derive(rows)
+  assert rows[2]["speedup_vs_conv"] == 2.0 and rows[2]["speedup_vs_conv_pallas"] == 2.0
+  assert rows[3]["speedup_vs_conv"] == 2.0 and rows[3]["speedup_vs_conv_pallas"] == 0.5

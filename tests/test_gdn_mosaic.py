@@ -16,6 +16,7 @@ import replayssm_jax as rs
 from replayssm_jax.pallas import common, gdn_mosaic
 from tests.helpers import gdn_step_f64, lower_for_h200, make_gdn_step, max_err, tolerance
 from tests.test_gdn_pallas import _assert_close, _np, _take_rows
+from tests.test_gdn_verify_pallas import _forced_flush_with_pending_drafts, _random_accepts
 
 IMPL = "pallas_mosaic"
 HK, HV, K, V = 1, 2, 16, 32
@@ -115,6 +116,18 @@ def test_decode_parity(state_dtype):
       assert max_err(_np(pools[IMPL])[np.asarray(slots)[live]], s64) <= tol
 
 
+def test_verify_random_accepts_parity():
+  """Speculative verify (T=2, L=4) in lockstep with XLA and float64: staggered and permuted rows,
+  a padding row, short rows with NaN in their padded lanes, random forced flushes and accepts
+  (test_gdn_verify_pallas.Lockstep, GQA Hk=2, Hv=4, K=16, V=32; the Mosaic interpreter's tiles are
+  [16, K])."""
+  _random_accepts(2, 4, 8, impl=IMPL, conventional=False)
+
+
+def test_verify_forced_flush_with_pending_drafts():
+  _forced_flush_with_pending_drafts(impl=IMPL, conventional=False)
+
+
 def test_the_mosaic_kernels_run():
   """implementation="pallas_mosaic" traces our Mosaic kernels (not the Triton ones)."""
   cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)
@@ -128,6 +141,9 @@ def test_the_mosaic_kernels_run():
       lambda b: rs.gdn.decode(*args, b.state, slots, implementation=IMPL))
   assert "replayssm_gdn_materialize_mosaic" in text(
       lambda b: rs.gdn.materialize(b, cursor, slots, implementation=IMPL))
+  verify = text(lambda b: rs.gdn.replay_verify(*(a[:, None] for a in args), b, cursor.plan(slots),
+                                               implementation=IMPL))
+  assert "replayssm_gdn_verify_mosaic" in verify and "replayssm_gdn_fold" not in verify
 
 
 def test_unsupported_inputs_raise():
@@ -156,7 +172,7 @@ P_HK, P_HV, P_K, P_V, P_B, P_N, P_L = 16, 32, 128, 128, 8, 16, 16
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kernel", ["decode", "replay", "materialize"])
+@pytest.mark.parametrize("kernel", ["decode", "replay", "materialize", "verify"])
 def test_lowers_for_h200(kernel, state_dtype):
   bf16 = jnp.bfloat16
   slots = jnp.asarray(np.r_[np.arange(P_B - 1), -1], jnp.int32)
@@ -173,9 +189,18 @@ def test_lowers_for_h200(kernel, state_dtype):
   elif kernel == "materialize":
     text = lower_for_h200(lambda b, c, s: rs.gdn.materialize(b, c, s, implementation=IMPL),
                   (), bufs, cursor, slots)
+  elif kernel == "verify":   # T = 4 tokens per row, ring sized for L = 8 plus the drafts
+    cursor = rs.ReplayCursor.create(P_N, buffer_len=8, max_draft=3)
+    bufs = rs.gdn.ReplayBuffers.create(P_N, cursor, num_k_heads=P_HK, num_v_heads=P_HV,
+                                       head_k_dim=P_K, head_v_dim=P_V, state_dtype=state_dtype,
+                                       ring_dtype=bf16)
+    tokens = tuple(jnp.stack([x] * 4, axis=1) for x in step)
+    text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_verify(*x, b, p, implementation=IMPL),
+                  (0,), bufs, cursor.plan(slots, num_tokens=4), *tokens)
   else:
     text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation=IMPL),
                   (0,), bufs, cursor.plan(slots), *step)
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
-  # Written Refs alias their donated buffers: pool (decode); state and three rings (replay).
-  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "materialize": 0}[kernel]
+  # Written Refs alias their donated buffers: pool (decode); state and three rings (replay, verify).
+  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "materialize": 0,
+                                               "verify": 4}[kernel]

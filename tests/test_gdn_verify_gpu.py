@@ -1,4 +1,5 @@
-"""GPU-only checks of the compiled Pallas-Triton GDN verify kernels (marker ``gpu``; skipped on CPU).
+"""GPU-only checks of the compiled Pallas GDN verify kernels (marker ``gpu``; skipped on CPU): Triton,
+and the Mosaic GPU reconstruct kernel.
 
 At the Qwen3.5-4B geometry (Hk 16, Hv 32, K = V = 128), ``replay_verify`` and ``verify_conventional``
 (implementation="pallas_triton") run plan → verify → commit with random accepted counts over
@@ -25,7 +26,8 @@ SLOTS = np.array([5, -1, 2, 7], np.int32)   # a padding row in the middle
 IMPL = "pallas_triton"
 
 
-def _run(num_tokens, buffer_len, state_dtype, steps, seed=0):
+def _run(num_tokens, buffer_len, state_dtype, steps, seed=0, impl=IMPL):
+  """``replay_verify`` and ``materialize`` run under ``impl``; the conventional verify is Triton's."""
   rng = np.random.default_rng(seed)
   n, t = 8, num_tokens
   cursor = rs.ReplayCursor.create(n, buffer_len=buffer_len, max_draft=t - 1)
@@ -51,7 +53,7 @@ def _run(num_tokens, buffer_len, state_dtype, steps, seed=0):
     lens = jnp.asarray(lengths, jnp.int32)
     plan = cursor.plan(slots, num_tokens=t)
     flushes += int(np.sum(np.asarray(plan.flush)))
-    o, bufs = rs.gdn.replay_verify(*x, bufs, plan, lengths=lens, implementation=IMPL)
+    o, bufs = rs.gdn.replay_verify(*x, bufs, plan, lengths=lens, implementation=impl)
     oc, stack = rs.gdn.verify_conventional(*x, stack, slots, jnp.asarray(read_index), lengths=lens,
                                            implementation=IMPL)
     cursor = cursor.commit(plan, jnp.asarray(acc))
@@ -71,7 +73,7 @@ def _run(num_tokens, buffer_len, state_dtype, steps, seed=0):
       oracle[int(SLOTS[r])] = states[acc[r] - 1][j]
     read_index[live] = acc[live] - 1
     want = np.stack([oracle[int(SLOTS[r])] for r in idx])
-    M = np.asarray(rs.gdn.materialize(bufs, cursor, slots, implementation=IMPL), np.float64)
+    M = np.asarray(rs.gdn.materialize(bufs, cursor, slots, implementation=impl), np.float64)
     errs["state"] = max(errs["state"], max_err(M[idx], want))
     got = np.asarray(stack.astype(jnp.float32), np.float64)[SLOTS[idx], read_index[idx]]
     errs["conv_state"] = max(errs["conv_state"], max_err(got, want))
@@ -84,6 +86,16 @@ def test_compiled_verify_f32_matches_float64_oracle(num_tokens, buffer_len):
   """The H200 default route (reconstruct)."""
   errs = _run(num_tokens, buffer_len, jnp.float32, steps=3 * buffer_len // num_tokens + 4)
   assert max(errs.values()) < 5e-5, errs
+
+
+@pytest.mark.parametrize("num_tokens,buffer_len,state_dtype", [(4, 8, jnp.float32), (8, 16, jnp.float32),
+                                                            (4, 8, jnp.bfloat16)])
+def test_compiled_mosaic_verify_matches_float64_oracle(num_tokens, buffer_len, state_dtype):
+  """implementation="pallas_mosaic" (reconstruct route, 64-row WGMMA tiles) against float64."""
+  errs = _run(num_tokens, buffer_len, state_dtype, steps=3 * buffer_len // num_tokens + 4, seed=4,
+              impl="pallas_mosaic")
+  bound = 5e-5 if state_dtype == jnp.float32 else 5e-2
+  assert errs["replay"] < bound and errs["state"] < bound, errs
 
 
 def test_compiled_verify_split_route(monkeypatch):

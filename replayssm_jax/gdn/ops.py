@@ -235,8 +235,8 @@ def replay_verify(q, k, v, g, beta, bufs, plan, *, lengths=None, scale=None, fol
     scale: query scale, default K^-0.5.
     fold: how flushing rows fold, "u" or "exact" (see ``ReplayBuffers``); None = ``bufs.fold``.
       "exact" needs buffers created with ``fold="exact"``; "u" works with both layouts.
-    implementation: None (fastest available), "xla" or "pallas_triton" (fold="u" buffers only;
-      None falls back to XLA for the exact layout).
+    implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic" (the
+      Pallas ones take fold="u" buffers only; None falls back to XLA for the exact layout).
 
   Returns:
     (o [B, T, Hv, V] in v's dtype, zeros on padding rows and padded lanes; bufs).
@@ -264,8 +264,13 @@ def replay_verify(q, k, v, g, beta, bufs, plan, *, lengths=None, scale=None, fol
     from replayssm_jax.pallas import gdn_verify_triton
     return gdn_verify_triton.replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=scale)
 
+  def run_mosaic():
+    _require_u_layout("gdn.replay_verify", bufs)
+    from replayssm_jax.pallas import gdn_mosaic
+    return gdn_mosaic.replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=scale)
+
   return _dispatch.run("gdn.replay_verify", implementation,
-                       {"xla": run_xla, "pallas_triton": run_triton})
+                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic})
 
 
 _jit_xla_verify = jax.jit(xla.replay_verify, static_argnames=("scale", "fold"))

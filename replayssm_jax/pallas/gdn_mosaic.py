@@ -15,6 +15,11 @@ Same op semantics as gdn_triton.py; three kernels, each ``kernel → builder →
   in SMEM here, so the fused fold re-reads nothing from HBM and needs no second launch.
   *Unmeasured*: bench/gdn_decode.py --impls decides whether that holds on the H200.
 * ``materialize``: the same fold body on every row, into a fresh f32 [B, Hv, V, K].
+* ``replay_verify``: speculative verify of T tokens per row, the reconstruct route of the Triton
+  kernels (gdn_triton ``_reconstruct_kernel``). Grid (V/BV, Hv, B); a program TMA-stages its
+  checkpoint tile and the row's ring, replays the committed window into the tile
+  (``_fold_window``), steps the T tokens by the delta rule (outputs, ring appends past the window),
+  and a flushing row stores the tile after token 0 in place: committed history only, one launch.
 
 Ring windows are walked entry by entry (``lax.fori_loop`` over ``count`` entries at ring indices
 ``(base + j) mod R``), so entries outside a window (stale or NaN) are staged into SMEM but never
@@ -26,7 +31,7 @@ Padding rows (slot < 0) produce zero output and touch neither checkpoint nor rin
 Layouts (lowering only; the interpreter does not check them): [BV, K] tiles use
 ``Layout.WGMMA``, K vectors ``WGMMA.reduce(0)``, V vectors ``WGMMA.reduce(1)``; so BV must be a
 multiple of 64 and K of 64 when compiling (``_require_lowerable``).
-Shapes: q, k [B, Hk, K]; v [B, Hv, V]; g, beta [B, Hv]; state [N, Hv, V, K];
+Shapes: q, k [B, Hk, K]; v [B, Hv, V]; g, beta [B, Hv] (verify: [B, T, ...]); state [N, Hv, V, K];
 ring_k [N, Hk, R, K]; ring_u [N, Hv, R, V]; ring_g [N, Hv, R].
 """
 import functools
@@ -243,6 +248,71 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
   plgpu.wait_smem_to_gmem(0)
 
 
+def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
+                   g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
+                   S_smem, rk_smem, ru_smem, rg_smem, bars,
+                   *, scale, group, block_v, ring_size, num_tokens):
+  vt, h, b = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
+  s = slots_ref[b]
+  ss = jnp.maximum(s, 0)   # padding rows stage slot 0 (harmless) and write nothing
+  tile = pl.ds(vt * block_v, block_v)
+  hk = h // group
+  plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], S_smem, bars.at[3])
+  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, hk, h, 1, tile, rk_smem, ru_smem, rg_smem,
+              bars)
+  base, count, n = base_ref[b], count_ref[b], lengths_ref[b]
+  valid = s >= 0
+  _wait_all(bars, 4)
+  S = plgpu.load(S_smem, layout=_TILE).astype(f32)
+  S = _fold_window(S, rk_smem, ru_smem.at[0], rg_smem.at[0], base, count, ring_size)
+  rdt = ring_u_ref.dtype
+  for i in range(num_tokens):
+    live = valid & (n > i)
+    put = (base + count + i) % ring_size
+    # A padded lane's inputs may be NaN and are never read: it reads token 0's (real on a live row)
+    # with g = β = 0, so u = 0 and S is unchanged exactly; its output is a stored zero.
+    at = jnp.where(live, i, 0)
+    k = _vec(k_ref.at[b, at, hk], _ROW_K)
+    q = _vec(q_ref.at[b, at, hk], _ROW_K) * scale
+    v = _vec(v_ref.at[b, at, h, tile], _COL_V)
+    g = jnp.where(live, g_ref[b, at, h].astype(f32), 0.0)
+    beta = jnp.where(live, beta_ref[b, at, h].astype(f32), 0.0)
+    alpha = jnp.exp(g)
+    u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
+    S = alpha * S + u[:, None] * k[None, :]
+    o = jnp.sum(S * q[None, :], axis=1)
+
+    @pl.when(live)
+    def _():
+      o_ref[b, i, h, tile] = o.astype(o_ref.dtype)
+
+    @pl.when(~live)
+    def _():
+      o_ref[b, i, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+
+    if i == 0:
+      @pl.when(valid & (flush_ref[b] != 0))
+      def _():
+        # Window + token 0: the committed history only; drafts (tokens ≥ 1) are never folded.
+        S_smem[...] = S.astype(S_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(S_smem, state_ref.at[s, h, tile])
+
+    @pl.when(live)
+    def _():
+      ring_u_ref[s, h, put, tile] = u.astype(rdt)
+
+      @pl.when(vt == 0)  # g is per head, k per key head: one program appends each
+      def _():
+        ring_g_ref[s, h, put] = g
+
+        @pl.when(h % group == 0)
+        def _():
+          ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
+
+  plgpu.wait_smem_to_gmem(0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Builders.
 # ----------------------------------------------------------------------------------------------
@@ -291,6 +361,25 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
                          bars=plgpu.Barrier(num_barriers=2 + 2 * group)),
       kernel_name="replayssm_gdn_replay_mosaic", interpret=_interpret(interpret),
   )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), q, k, v, g, beta, *refs)
+  state, ring_k, ring_u, ring_g = (jax.freeze(r) for r in refs)
+  return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
+def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret):
+  batch, t, hk = q.shape[:3]
+  hv, vd, kd, bv = bufs.num_v_heads, bufs.head_v_dim, bufs.head_k_dim, cfg.block_v
+  kernel = functools.partial(_verify_kernel, scale=scale, group=hv // hk, block_v=bv,
+                             ring_size=bufs.ring_size, num_tokens=t)
+  refs = [jax.new_ref(x) for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)]
+  o = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
+      grid=(vd // bv, hv, batch), grid_names=("vt", "h", "b"),
+      scratch_types=dict(S_smem=plgpu.SMEM((bv, kd), bufs.state.dtype), **_ring_scratch(bufs, 1, bv),
+                         bars=plgpu.Barrier(num_barriers=4)),
+      kernel_name="replayssm_gdn_verify_mosaic", interpret=_interpret(interpret),
+  )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, q, k, v, g, beta,
+    *refs)
   state, ring_k, ring_u, ring_g = (jax.freeze(r) for r in refs)
   return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
 
@@ -400,6 +489,25 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
                      block_v=cfg.block_v, ring_size=bufs.ring_size, smem=smem,
                      ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
   return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,
+                        interpret=common.interpret_mode())
+
+
+def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, scale,
+                  block_v=None):
+  """ReplaySSM GDN speculative verify, reconstruct route (one launch, flush stored in place).
+
+  q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; lengths int32[B]. Returns
+  (o [B, T, Hv, V] in v.dtype, bufs). ``block_v`` overrides the config's V tile.
+  """
+  cfg = _fit(config_lib.mosaic_verify_config(device_kind=common.device_kind(),
+                                             head_v_dim=bufs.head_v_dim),
+             bufs.head_v_dim, block_v)
+  smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=1, state_dtype=bufs.state.dtype,
+                     ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype)
+  _require_lowerable("gdn.replay_verify[pallas_mosaic]", head_k_dim=bufs.head_k_dim,
+                     head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,
+                     smem=smem, ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
+  return _replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=float(scale), cfg=cfg,
                         interpret=common.interpret_mode())
 
 
