@@ -52,7 +52,7 @@ from bench import common
 from bench.common import hash_normal, hash_uniform, l2_normalize
 
 ARMS = ("replay-pallas", "replay-xla", "conv-pallas", "conv-xla", "replay-mosaic")
-DEFAULT_ARMS = ARMS[:4]   # replay-mosaic (GDN only; Hopper) by name
+DEFAULT_ARMS = ARMS[:4]   # replay-mosaic (Hopper; interpreted on CPU: slow) by name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -613,6 +613,12 @@ def mosaic_verify_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
                               head_v_dim=head_v_dim, num_k_heads=1, group=1, batch=1)
 
 
+def mosaic_mamba2_verify_config(*, device_kind: str, head_dim: int) -> MosaicConfig:
+  """Mamba2 verify (reconstruct route), grid (P/BP, H, B); ``block_v`` holds BP."""
+  # *untuned*: the replay kernel's tile (the same program, stepping T tokens).
+  return mosaic_mamba2_replay_config(device_kind=device_kind, head_dim=head_dim)
+
+
 def mosaic_materialize_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
   """Materialize, grid (V/BV, Hv, B), f32 output tile staged in SMEM."""
   # *untuned*: the replay tile (same fold body; not on the decode hot path).

@@ -55,6 +55,14 @@ def test_replay_decode_parity():
   replay_parity(IMPL, 4, "reconstruct", "f32", P, materialize_impl="xla")
 
 
+def test_verify_random_accepts_parity():
+  """Speculative verify (T=2, L=4, 14 steps) in lockstep with XLA and float64
+  (test_mamba2_verify_pallas.Twin): staggered rows, a padding row, short rows with NaN in their
+  padded lanes, natural and forced flushes (one with drafts pending), random accepts."""
+  from tests.test_mamba2_verify_pallas import _random_accepts
+  _random_accepts(2, 4, impl=IMPL, conventional=False)
+
+
 def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
   jp, pool, j, slots = _one_step(7)
   run = lambda: rs.mamba2.decode(j["x"], j["dt"], jp["A"], j["B"], j["C"], pool, slots,
@@ -66,6 +74,12 @@ def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
       j["x"], j["dt"], jp["A"], j["B"], j["C"], bufs, cursor.plan(slots), route=route,
       implementation=IMPL)
   assert "replayssm_mamba2_replay_mosaic" in str(jax.make_jaxpr(replay)())
+  verify_cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4, max_draft=1)
+  verify_bufs = _poisoned_buffers(verify_cursor, P, "float32", pool)
+  verify = lambda: rs.mamba2.replay_verify(
+      *(j[k][:, None] for k in ("x", "dt")), jp["A"], *(j[k][:, None] for k in ("B", "C")), verify_bufs,
+      verify_cursor.plan(slots, num_tokens=1), implementation=IMPL)
+  assert "replayssm_mamba2_verify_mosaic" in str(jax.make_jaxpr(verify)())
   with pytest.raises(NotImplementedError, match="reconstruct route"):
     replay("output_only")
   # Compiling (not interpreting): 32-row tiles and N = 16 cannot take the WGMMA layouts.
@@ -79,7 +93,8 @@ def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
 @pytest.mark.parametrize("kernel,state_dtype,buffer_len,geometry", [
     ("decode", "float32", 8, "super"), ("decode", "bfloat16", 8, "super"),
     ("decode", "float32", 8, "nano"), ("replay", "float32", 16, "super"),
-    ("replay", "bfloat16", 8, "super"), ("replay", "float32", 8, "nano")])
+    ("replay", "bfloat16", 8, "super"), ("replay", "float32", 8, "nano"),
+    ("verify", "float32", 8, "super"), ("verify", "bfloat16", 8, "super")])
 def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   """Super (P 64, N 128): one Mosaic kernel, every donated buffer updated in place (pool; state
   and the three rings). Nano (P 80): no 64-row tile divides P, so compiling refuses it
@@ -89,6 +104,16 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   if kernel == "decode":
     lower = lambda: lower_for_h200(lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
         x, dt, A, B, C, pool, s, z=x, implementation=IMPL, **extra), (0,), bufs.state, slots, *step)
+  elif kernel == "verify":   # T = 4 tokens per row
+    cursor = rs.ReplayCursor.create(cursor.num_slots, buffer_len=buffer_len, max_draft=3)
+    bufs = rs.mamba2.ReplayBuffers.create(cursor.num_slots, cursor, num_heads=bufs.num_heads,
+                                          head_dim=bufs.head_dim, num_groups=bufs.num_groups,
+                                          state_dim=bufs.state_dim, state_dtype=state_dtype,
+                                          ring_dtype=jnp.bfloat16)
+    tokens = [x if x.ndim == 1 else jnp.stack([x] * 4, axis=1) for x in step]   # A stays [H]
+    lower = lambda: lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_verify(
+        x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra), (0,), bufs,
+        cursor.plan(slots, num_tokens=4), *tokens)
   else:
     lower = lambda: lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
         x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra), (0,), bufs, cursor.plan(slots),
@@ -99,7 +124,7 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
     return
   text = lower()
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
-  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4}[kernel]
+  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "verify": 4}[kernel]
 
 
 def test_softplus_without_log1p_is_f32_accurate():

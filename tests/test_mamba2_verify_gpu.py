@@ -1,4 +1,5 @@
-"""GPU-only checks of the compiled Pallas-Triton Mamba2 verify kernels (marker ``gpu``).
+"""GPU-only checks of the compiled Pallas Mamba2 verify kernels (marker ``gpu``): Triton, and the
+Mosaic GPU reconstruct kernel.
 
 At Nemotron-3-Super geometry (H 128, P 64, N 128, G 8) the compiled ``replay_verify`` and
 ``verify_conventional`` run steps with random accepted counts, short rows and a padding row, across
@@ -23,7 +24,8 @@ SLOTS = np.array([5, -1, 2, 7], np.int32)      # a padding row in the middle
 IMPL = "pallas_triton"
 
 
-def _run(state_dtype, num_tokens, buffer_len, steps, seed=0):
+def _run(state_dtype, num_tokens, buffer_len, steps, seed=0, impl=IMPL):
+  """``replay_verify`` runs under ``impl``; the conventional verify and materialize are Triton's."""
   h, g, p, n = SUPER
   rng = np.random.default_rng(seed)
   params = make_params(rng, h)
@@ -51,7 +53,8 @@ def _run(state_dtype, num_tokens, buffer_len, steps, seed=0):
     flushes += int(np.sum(np.asarray(plan.flush)))
     kw = dict(D=jp["D"], z=a["z"], dt_bias=jp["dt_bias"], lengths=jnp.asarray(lengths),
               implementation=IMPL)
-    y, bufs = rs.mamba2.replay_verify(a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs, plan, **kw)
+    y, bufs = rs.mamba2.replay_verify(a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs, plan,
+                                      **{**kw, "implementation": impl})
     yc, stack = rs.mamba2.verify_conventional(a["x"], a["dt"], jp["A"], a["B"], a["C"], stack, slots,
                                               jnp.asarray(read), **kw)
     cursor = cursor.commit(plan, jnp.asarray(acc))
@@ -88,6 +91,16 @@ def test_compiled_verify_output_only_route(monkeypatch, num_tokens, state_dtype)
   real = config_lib.mamba2_verify_config
   monkeypatch.setattr(config_lib, "mamba2_verify_config", lambda **kw: real(**{**kw, "route": "output_only"}))
   errs = _run(state_dtype, num_tokens, 16, steps=12, seed=4)
+  bound = 5e-5 if state_dtype == jnp.float32 else 5e-2
+  assert errs["replay"] < bound and errs["state"] < bound, errs
+
+
+@pytest.mark.parametrize("num_tokens,buffer_len,state_dtype", [(4, 8, jnp.float32), (8, 16, jnp.float32),
+                                                            (4, 8, jnp.bfloat16)])
+def test_compiled_mosaic_verify_matches_float64_oracle(num_tokens, buffer_len, state_dtype):
+  """implementation="pallas_mosaic" (reconstruct route, 64-row WGMMA tiles) against float64."""
+  errs = _run(state_dtype, num_tokens, buffer_len, steps=2 * buffer_len // num_tokens + 4, seed=5,
+              impl="pallas_mosaic")
   bound = 5e-5 if state_dtype == jnp.float32 else 5e-2
   assert errs["replay"] < bound and errs["state"] < bound, errs
 

@@ -234,7 +234,7 @@ def replay_verify(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
     lengths: optional int32[B] real tokens per row in [1, T] (None: all T). Lanes past a row's
       length are padding: zero output, no ring write, their inputs (NaN included) never read.
       Commit at most ``lengths`` tokens per row.
-    implementation: None (fastest available), "xla" or "pallas_triton".
+    implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic".
 
   Returns:
     (y [B, T, H, P] in x's dtype, zeros on padding rows and padded lanes; bufs).
@@ -256,8 +256,13 @@ def replay_verify(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
     return mamba2_verify_triton.replay_verify(x, dt, A, B, C, bufs, plan, lengths, D=D, z=z,
                                               dt_bias=dt_bias, dt_softplus=softplus)
 
+  def run_mosaic():
+    from replayssm_jax.pallas import mamba2_mosaic
+    return mamba2_mosaic.replay_verify(x, dt, A, B, C, bufs, plan, lengths, D=D, z=z,
+                                       dt_bias=dt_bias, dt_softplus=softplus)
+
   return _dispatch.run("mamba2.replay_verify", implementation,
-                       {"xla": run_xla, "pallas_triton": run_triton})
+                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic})
 
 
 _jit_xla_verify = jax.jit(xla.replay_verify, static_argnames=("dt_softplus",))

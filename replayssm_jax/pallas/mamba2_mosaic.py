@@ -13,6 +13,9 @@ Same op semantics as mamba2_triton.py; ``kernel → builder → public wrapper``
   writes y and appends (Δx, B, ΔA) at ring index ``base + count``; a flushing row TMA-writes the
   tile (window + token) into its checkpoint in the same program. Entries outside the window are
   staged but never read. The output-only route is not implemented here (NotImplementedError).
+* ``replay_verify``: the same program for T tokens (speculative verify, reconstruct route): the
+  window replayed, then T steps with their ring appends; a flushing row stores the tile after
+  token 0 (committed history only), in the same launch.
 
 Everything is float32 multiply-and-reduce, never wgmma (Mosaic f32 wgmma is TF32). Padding rows
 (slot < 0) gather slot 0 (harmless), produce zero output and write nothing.
@@ -43,24 +46,26 @@ f32 = jnp.float32
 _ROW_N, _COL_P = _ROW_K, _COL_V   # the GDN [V, K] tile's layouts, read as Mamba2's [P, N]
 
 
-def _token(r, b, h, tile, softplus):
-  """(ΔA, Δx [BP], x [BP]) of row b, head h: Δ = softplus(dt + dt_bias), float32."""
-  dt = r["dt"][b, h].astype(f32)
+def _token(r, at, h, tile, softplus, live=True):
+  """(ΔA, Δx [BP], x [BP]) of head h at input index ``at`` ((b,) for decode, (b, i) for verify):
+  Δ = softplus(dt + dt_bias), float32. ``live`` False gives Δ = 0 (ΔA = 0, Δx = 0 exactly)."""
+  dt = r["dt"][(*at, h)].astype(f32)
   if "dt_bias" in r:
     dt = dt + r["dt_bias"][h].astype(f32)
   delta = common.softplus(dt, log1p=common.log1p_from_log) if softplus else dt
-  x = _vec(r["x"].at[b, h, tile], _COL_P)
+  delta = jnp.where(live, delta, 0.0)
+  x = _vec(r["x"].at[(*at, h, tile)], _COL_P)
   return delta * r["A"][h].astype(f32), delta * x, x
 
 
-def _step(r, b, h, g, tile, S, dA, dx, x):
+def _step(r, at, h, g, tile, S, dA, dx, x):
   """(S_t = e^{ΔA} S + Δx Bᵀ, (S_t C + D x) · silu(z)) on a float32 [BP, N] tile."""
-  S = jnp.exp(dA) * S + dx[:, None] * _vec(r["B"].at[b, g], _ROW_N)[None, :]
-  y = jnp.sum(S * _vec(r["C"].at[b, g], _ROW_N)[None, :], axis=1)
+  S = jnp.exp(dA) * S + dx[:, None] * _vec(r["B"].at[(*at, g)], _ROW_N)[None, :]
+  y = jnp.sum(S * _vec(r["C"].at[(*at, g)], _ROW_N)[None, :], axis=1)
   if "D" in r:
     y = y + r["D"][h].astype(f32) * x
   if "z" in r:
-    y = common.silu_gate(y, _vec(r["z"].at[b, h, tile], _COL_P))
+    y = common.silu_gate(y, _vec(r["z"].at[(*at, h, tile)], _COL_P))
   return S, y
 
 
@@ -76,9 +81,9 @@ def _decode_kernel(*refs, S_smem, bar, names, group, block_p, softplus):
   s = r["slots"][b]
   tile = pl.ds(pt * block_p, block_p)
   plgpu.copy_gmem_to_smem(r["pool"].at[jnp.maximum(s, 0), h, tile], S_smem, bar)
-  dA, dx, x = _token(r, b, h, tile, softplus)
+  dA, dx, x = _token(r, (b,), h, tile, softplus)
   plgpu.barrier_wait(bar)
-  S, y = _step(r, b, h, h // group, tile, plgpu.load(S_smem, layout=_TILE).astype(f32), dA, dx, x)
+  S, y = _step(r, (b,), h, h // group, tile, plgpu.load(S_smem, layout=_TILE).astype(f32), dA, dx, x)
 
   @pl.when(s >= 0)
   def _():
@@ -107,11 +112,11 @@ def _replay_kernel(*refs, S_smem, rB_smem, rx_smem, ra_smem, bars, names, group,
               bars)
   base, count = r["base"][b], r["count"][b]
   put = (base + count) % ring_size                                 # this token's ring index
-  dA, dx, x = _token(r, b, h, tile, softplus)
+  dA, dx, x = _token(r, (b,), h, tile, softplus)
   _wait_all(bars, 4)
   S = plgpu.load(S_smem, layout=_TILE).astype(f32)                  # [BP, N] checkpoint
   S = _fold_window(S, rB_smem, rx_smem.at[0], ra_smem.at[0], base, count, ring_size)  # S_{t-1}
-  S, y = _step(r, b, h, g, tile, S, dA, dx, x)
+  S, y = _step(r, (b,), h, g, tile, S, dA, dx, x)
   valid = s >= 0
 
   @pl.when(valid)
@@ -138,6 +143,67 @@ def _replay_kernel(*refs, S_smem, rB_smem, rx_smem, ra_smem, bars, names, group,
     plgpu.copy_smem_to_gmem(S_smem, r["state"].at[s, h, tile])
 
   plgpu.wait_smem_to_gmem(0)
+
+
+def _verify_kernel(*refs, S_smem, rB_smem, rx_smem, ra_smem, bars, names, group, block_p,
+                   ring_size, softplus, num_tokens):
+  """The replay kernel for T tokens (reconstruct route of speculative verify): window replayed
+  into the tile, then T steps, each token appended past the window; a flushing row stores the
+  tile after token 0 (committed history only). A padded lane reads token 0's inputs with Δ = 0,
+  so S is unchanged exactly and its own inputs (NaN allowed) are never read."""
+  r = dict(zip(names, refs))
+  pt, h, b = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
+  s = r["slots"][b]
+  ss = jnp.maximum(s, 0)   # padding rows stage slot 0 (harmless) and write nothing
+  tile = pl.ds(pt * block_p, block_p)
+  g = h // group
+  plgpu.copy_gmem_to_smem(r["state"].at[ss, h, tile], S_smem, bars.at[3])
+  _stage_ring(r["ring_B"], r["ring_x"], r["ring_a"], ss, g, h, 1, tile, rB_smem, rx_smem, ra_smem,
+              bars)
+  base, count, n = r["base"][b], r["count"][b], r["lengths"][b]
+  valid = s >= 0
+  _wait_all(bars, 4)
+  S = plgpu.load(S_smem, layout=_TILE).astype(f32)
+  S = _fold_window(S, rB_smem, rx_smem.at[0], ra_smem.at[0], base, count, ring_size)
+  for i in range(num_tokens):
+    live = valid & (n > i)
+    put = (base + count + i) % ring_size
+    at = (b, jnp.where(live, i, 0))
+    dA, dx, x = _token(r, at, h, tile, softplus, live)
+    S, y = _step(r, at, h, g, tile, S, dA, dx, x)
+
+    @pl.when(live)
+    def _():
+      r["y_out"][b, i, h, tile] = y.astype(r["y_out"].dtype)
+      r["ring_x"][s, h, put, tile] = dx.astype(r["ring_x"].dtype)
+
+      @pl.when(pt == 0)  # ΔA is per head, B per group: one program appends each
+      def _():
+        r["ring_a"][s, h, put] = dA
+
+        @pl.when(h % group == 0)
+        def _():
+          r["ring_B"][s, g, put] = _vec(r["B"].at[(*at, g)], _ROW_N).astype(r["ring_B"].dtype)
+
+    @pl.when(~live)
+    def _():
+      r["y_out"][b, i, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
+
+    if i == 0:
+      @pl.when(valid & (r["flush"][b] != 0))  # checkpoint ← window + token 0
+      def _():
+        S_smem[...] = S.astype(S_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(S_smem, r["state"].at[s, h, tile])
+
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _ring_scratch(bufs, block_p):
+  r = bufs.ring_size
+  return {"rB_smem": plgpu.SMEM((r, bufs.state_dim), bufs.ring_B.dtype),
+          "rx_smem": plgpu.SMEM((1, r, block_p), bufs.ring_x.dtype),
+          "ra_smem": plgpu.SMEM((1, r), f32)}
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
@@ -171,12 +237,31 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
   y = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
       grid=(p // bp, h, batch), grid_names=("pt", "h", "b"),
-      scratch_types={"S_smem": plgpu.SMEM((bp, n), bufs.state.dtype),
-                     "rB_smem": plgpu.SMEM((r, n), bufs.ring_B.dtype),
-                     "rx_smem": plgpu.SMEM((1, r, bp), bufs.ring_x.dtype),
-                     "ra_smem": plgpu.SMEM((1, r), f32),
+      scratch_types={"S_smem": plgpu.SMEM((bp, n), bufs.state.dtype), **_ring_scratch(bufs, bp),
                      "bars": plgpu.Barrier(num_barriers=4)},
       kernel_name="replayssm_mamba2_replay_mosaic", interpret=_interpret(interpret),
+  )(*inputs.values(), *refs)
+  return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
+def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_softplus, cfg,
+                   interpret):
+  batch, t, h, p = x.shape
+  bp = cfg.block_v
+  inputs = {**_step_inputs(plan.slots, x, dt, A, B, C, D, z, dt_bias), "base": plan.base,
+            "count": plan.count, "flush": plan.flush.astype(jnp.int32), "lengths": lengths}
+  names = ("state", "ring_x", "ring_B", "ring_a")
+  refs = [jax.new_ref(getattr(bufs, k)) for k in names]   # written Refs: updated in place
+  kernel = functools.partial(_verify_kernel, names=(*inputs, *names, "y_out"),
+                             group=h // bufs.num_groups, block_p=bp, ring_size=bufs.ring_size,
+                             softplus=dt_softplus, num_tokens=t)
+  y = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      grid=(p // bp, h, batch), grid_names=("pt", "h", "b"),
+      scratch_types={"S_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.state.dtype),
+                     **_ring_scratch(bufs, bp), "bars": plgpu.Barrier(num_barriers=4)},
+      kernel_name="replayssm_mamba2_verify_mosaic", interpret=_interpret(interpret),
   )(*inputs.values(), *refs)
   return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
 
@@ -217,12 +302,32 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
                               f"supported by this kernel")
   if route == "output_only":
     raise NotImplementedError(f"{op}: only the reconstruct route is implemented")
+  cfg = _replay_tile(op, config_lib.mosaic_mamba2_replay_config, bufs, block_p)
+  return _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
+                        cfg=cfg, interpret=common.interpret_mode())
+
+
+def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, D, z, dt_bias,
+                  dt_softplus, block_p=None):
+  """ReplaySSM Mamba2 speculative verify, reconstruct route (one launch, flush stored in place).
+
+  x, z [B, T, H, P]; dt [B, T, H]; B, C [B, T, G, N]; lengths int32[B]. Returns
+  (y [B, T, H, P] in x.dtype, bufs). ``block_p`` overrides the config's P tile.
+  """
+  cfg = _replay_tile("mamba2.replay_verify[pallas_mosaic]", config_lib.mosaic_mamba2_verify_config,
+                     bufs, block_p)
+  return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,
+                        cfg=cfg, interpret=common.interpret_mode())
+
+
+def _replay_tile(op, config, bufs, block_p):
+  """The P tile of a kernel that stages the checkpoint tile and the row's ring; NotImplementedError
+  where Mosaic cannot lower it."""
   p, n = bufs.head_dim, bufs.state_dim
-  cfg = _p_tile(op, config_lib.mosaic_mamba2_replay_config, p, block_p)
+  cfg = _p_tile(op, config, p, block_p)
   smem = _smem_bytes(cfg.block_v, n, heads=1, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_x.dtype)
   _require_lowerable(op, head_k_dim=n, head_v_dim=p, block_v=cfg.block_v,
                      ring_size=bufs.ring_size, smem=smem, dims=("P", "N"),
                      ring_itemsize=jnp.dtype(bufs.ring_x.dtype).itemsize)
-  return _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
-                        cfg=cfg, interpret=common.interpret_mode())
+  return cfg
