@@ -98,24 +98,42 @@ def _decode_kernel(*refs, S_smem, bar, names, group, block_p, softplus):
     r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
 
 
-def _replay_kernel(*refs, S_smem, rB_smem, rx_smem, ra_smem, bars, names, group, block_p,
-                   ring_size, softplus):
+def _start(refs, smem, bars, names, group, block_p):
+  """A replay or verify program's start: its refs by name and indices (r, pt, h, b, slot, tile,
+  group), with the TMA of the checkpoint tile (barrier 3) and the row's ring (B of the group, ΔA
+  and Δx of the head: barriers 0-2, gdn_mosaic._stage_ring) issued. Padding rows (slot < 0)
+  stage slot 0 (harmless) and write nothing."""
   r = dict(zip(names, refs))
   pt, h, b = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
-  s = r["slots"][b]
-  ss = jnp.maximum(s, 0)   # padding rows stage slot 0 (harmless) and write nothing
-  tile = pl.ds(pt * block_p, block_p)
-  g = h // group
-  # Barriers 0-2: the ring (B of the group, ΔA, Δx of the head; see gdn_mosaic._stage_ring), 3: the tile.
-  plgpu.copy_gmem_to_smem(r["state"].at[ss, h, tile], S_smem, bars.at[3])
-  _stage_ring(r["ring_B"], r["ring_x"], r["ring_a"], ss, g, h, 1, tile, rB_smem, rx_smem, ra_smem,
-              bars)
+  s, tile, g = r["slots"][b], pl.ds(pt * block_p, block_p), h // group
+  ss = jnp.maximum(s, 0)
+  plgpu.copy_gmem_to_smem(r["state"].at[ss, h, tile], smem["S_smem"], bars.at[3])
+  _stage_ring(r["ring_B"], r["ring_x"], r["ring_a"], ss, g, h, 1, tile, smem["rB_smem"],
+              smem["rx_smem"], smem["ra_smem"], bars)
+  return r, pt, h, b, s, tile, g
+
+
+def _after_window(smem, bars, base, count, ring_size):
+  """The staged checkpoint tile brought through the window [base, base + count): S_{t-1} [BP, N]."""
+  _wait_all(bars, 4)
+  S = plgpu.load(smem["S_smem"], layout=_TILE).astype(f32)
+  return _fold_window(S, smem["rB_smem"], smem["rx_smem"].at[0], smem["ra_smem"].at[0], base, count,
+                      ring_size)
+
+
+def _store_checkpoint(r, smem, S, s, h, tile):
+  """Slot s's checkpoint tile ← S, by TMA from SMEM (waited for at the program's end)."""
+  smem["S_smem"][...] = S.astype(smem["S_smem"].dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem["S_smem"], r["state"].at[s, h, tile])
+
+
+def _replay_kernel(*refs, bars, names, group, block_p, ring_size, softplus, **smem):
+  r, pt, h, b, s, tile, g = _start(refs, smem, bars, names, group, block_p)
   base, count = r["base"][b], r["count"][b]
   put = (base + count) % ring_size                                 # this token's ring index
-  dA, dx, x = _token(r, (b,), h, tile, softplus)
-  _wait_all(bars, 4)
-  S = plgpu.load(S_smem, layout=_TILE).astype(f32)                  # [BP, N] checkpoint
-  S = _fold_window(S, rB_smem, rx_smem.at[0], ra_smem.at[0], base, count, ring_size)  # S_{t-1}
+  dA, dx, x = _token(r, (b,), h, tile, softplus)                   # loads overlap the TMA
+  S = _after_window(smem, bars, base, count, ring_size)
   S, y = _step(r, (b,), h, g, tile, S, dA, dx, x)
   valid = s >= 0
 
@@ -136,35 +154,21 @@ def _replay_kernel(*refs, S_smem, rB_smem, rx_smem, ra_smem, bars, names, group,
   def _():
     r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
 
-  @pl.when(valid & (r["flush"][b] != 0))  # checkpoint ← window + this token
-  def _():
-    S_smem[...] = S.astype(S_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(S_smem, r["state"].at[s, h, tile])
+  # checkpoint ← window + this token
+  pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, smem, S, s, h, tile))
 
   plgpu.wait_smem_to_gmem(0)
 
 
-def _verify_kernel(*refs, S_smem, rB_smem, rx_smem, ra_smem, bars, names, group, block_p,
-                   ring_size, softplus, num_tokens):
+def _verify_kernel(*refs, bars, names, group, block_p, ring_size, softplus, num_tokens, **smem):
   """The replay kernel for T tokens (reconstruct route of speculative verify): window replayed
   into the tile, then T steps, each token appended past the window; a flushing row stores the
   tile after token 0 (committed history only). A padded lane reads token 0's inputs with Δ = 0,
   so S is unchanged exactly and its own inputs (NaN allowed) are never read."""
-  r = dict(zip(names, refs))
-  pt, h, b = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
-  s = r["slots"][b]
-  ss = jnp.maximum(s, 0)   # padding rows stage slot 0 (harmless) and write nothing
-  tile = pl.ds(pt * block_p, block_p)
-  g = h // group
-  plgpu.copy_gmem_to_smem(r["state"].at[ss, h, tile], S_smem, bars.at[3])
-  _stage_ring(r["ring_B"], r["ring_x"], r["ring_a"], ss, g, h, 1, tile, rB_smem, rx_smem, ra_smem,
-              bars)
+  r, pt, h, b, s, tile, g = _start(refs, smem, bars, names, group, block_p)
   base, count, n = r["base"][b], r["count"][b], r["lengths"][b]
   valid = s >= 0
-  _wait_all(bars, 4)
-  S = plgpu.load(S_smem, layout=_TILE).astype(f32)
-  S = _fold_window(S, rB_smem, rx_smem.at[0], ra_smem.at[0], base, count, ring_size)
+  S = _after_window(smem, bars, base, count, ring_size)
   for i in range(num_tokens):
     live = valid & (n > i)
     put = (base + count + i) % ring_size
@@ -190,11 +194,8 @@ def _verify_kernel(*refs, S_smem, rB_smem, rx_smem, ra_smem, bars, names, group,
       r["y_out"][b, i, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
 
     if i == 0:
-      @pl.when(valid & (r["flush"][b] != 0))  # checkpoint ← window + token 0
-      def _():
-        S_smem[...] = S.astype(S_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(S_smem, r["state"].at[s, h, tile])
+      # checkpoint ← window + token 0
+      pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, smem, S, s, h, tile))
 
   plgpu.wait_smem_to_gmem(0)
 
