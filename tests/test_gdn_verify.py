@@ -408,5 +408,5 @@ def test_bad_inputs(checked_mode):
     rs.gdn.verify_conventional(*x, stack, slots, jnp.array([0, 4, 0, 0], i32))
   with pytest.raises(ValueError, match="V"):
     rs.gdn.verify_conventional(*x, jnp.zeros((6, 4, 4, 4, 16)), slots, ri)
-  with pytest.raises(NotImplementedError, match="pallas_mosaic"):
-    rs.gdn.replay_verify(*x, bufs, plan, implementation="pallas_mosaic")
+  with pytest.raises(NotImplementedError, match="pallas_mosaic"):   # no Mosaic conventional verify
+    rs.gdn.verify_conventional(*x, stack, slots, ri, implementation="pallas_mosaic")
