@@ -138,6 +138,24 @@ def _wait_all(bars, n):
     plgpu.barrier_wait(bars.at[i])
 
 
+def _stage_head(state_ref, ring_k_ref, ring_u_ref, ring_g_ref, s, hk, h, tile, S_smem, rk_smem,
+                ru_smem, rg_smem, bars):
+  """TMA of value head h's checkpoint tile (barrier 3) and the row's ring for that head (barriers
+  0-2, ``_stage_ring``). Padding rows (s < 0) stage slot 0 (harmless) and must write nothing."""
+  ss = jnp.maximum(s, 0)
+  plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], S_smem, bars.at[3])
+  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, hk, h, 1, tile, rk_smem, ru_smem, rg_smem,
+              bars)
+
+
+def _tile_after_window(S_smem, rk_smem, ru_smem, rg_smem, bars, base, length, ring_size):
+  """The tile staged by ``_stage_head`` brought through ``length`` ring entries from ``base``
+  (float32 [BV, K])."""
+  _wait_all(bars, 4)
+  S = plgpu.load(S_smem, layout=_TILE).astype(f32)
+  return _fold_window(S, rk_smem, ru_smem.at[0], rg_smem.at[0], base, length, ring_size)
+
+
 def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref, v_ref, g_ref,
                         beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
                         S_smem, rk_smem, ru_smem, rg_smem, bars,
@@ -229,14 +247,11 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
                         *, group, block_v, ring_size):
   vt, h, b = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
   s = slots_ref[b]
-  ss = jnp.maximum(s, 0)
   tile = pl.ds(vt * block_v, block_v)
-  plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], S_smem, bars.at[3])
-  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, h // group, h, 1, tile, rk_smem, ru_smem,
-              rg_smem, bars)
-  _wait_all(bars, 4)
-  S = plgpu.load(S_smem, layout=_TILE).astype(f32)
-  S = _fold_window(S, rk_smem, ru_smem.at[0], rg_smem.at[0], base_ref[b], length_ref[b], ring_size)
+  _stage_head(state_ref, ring_k_ref, ring_u_ref, ring_g_ref, s, h // group, h, tile, S_smem, rk_smem,
+              ru_smem, rg_smem, bars)
+  S = _tile_after_window(S_smem, rk_smem, ru_smem, rg_smem, bars, base_ref[b], length_ref[b],
+                         ring_size)
   out_smem[...] = S
 
   @pl.when(s < 0)  # padding rows: zeros (S · 0 would keep a NaN of slot 0)
@@ -254,17 +269,13 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
                    *, scale, group, block_v, ring_size, num_tokens):
   vt, h, b = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
   s = slots_ref[b]
-  ss = jnp.maximum(s, 0)   # padding rows stage slot 0 (harmless) and write nothing
   tile = pl.ds(vt * block_v, block_v)
   hk = h // group
-  plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], S_smem, bars.at[3])
-  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, hk, h, 1, tile, rk_smem, ru_smem, rg_smem,
-              bars)
+  _stage_head(state_ref, ring_k_ref, ring_u_ref, ring_g_ref, s, hk, h, tile, S_smem, rk_smem,
+              ru_smem, rg_smem, bars)
   base, count, n = base_ref[b], count_ref[b], lengths_ref[b]
   valid = s >= 0
-  _wait_all(bars, 4)
-  S = plgpu.load(S_smem, layout=_TILE).astype(f32)
-  S = _fold_window(S, rk_smem, ru_smem.at[0], rg_smem.at[0], base, count, ring_size)
+  S = _tile_after_window(S_smem, rk_smem, ru_smem, rg_smem, bars, base, count, ring_size)
   rdt = ring_u_ref.dtype
   for i in range(num_tokens):
     live = valid & (n > i)

@@ -38,9 +38,9 @@ from replayssm_jax import config as config_lib
 from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.mamba2.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
-from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _fit, _fold_window, _interpret,
-                                             _require_lowerable, _smem_bytes, _stage_ring, _vec,
-                                             _wait_all, _zeros)
+from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _fit, _interpret,
+                                             _require_lowerable, _smem_bytes, _stage_head,
+                                             _tile_after_window, _vec, _zeros)
 
 f32 = jnp.float32
 _ROW_N, _COL_P = _ROW_K, _COL_V   # the GDN [V, K] tile's layouts, read as Mamba2's [P, N]
@@ -100,25 +100,20 @@ def _decode_kernel(*refs, S_smem, bar, names, group, block_p, softplus):
 
 def _start(refs, smem, bars, names, group, block_p):
   """A replay or verify program's start: its refs by name and indices (r, pt, h, b, slot, tile,
-  group), with the TMA of the checkpoint tile (barrier 3) and the row's ring (B of the group, ΔA
-  and Δx of the head: barriers 0-2, gdn_mosaic._stage_ring) issued. Padding rows (slot < 0)
-  stage slot 0 (harmless) and write nothing."""
+  group), with the TMA of the checkpoint tile and the row's ring (B of the group, ΔA and Δx of
+  the head) issued by GDN's ``_stage_head`` (the rings are the same recurrence)."""
   r = dict(zip(names, refs))
   pt, h, b = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
   s, tile, g = r["slots"][b], pl.ds(pt * block_p, block_p), h // group
-  ss = jnp.maximum(s, 0)
-  plgpu.copy_gmem_to_smem(r["state"].at[ss, h, tile], smem["S_smem"], bars.at[3])
-  _stage_ring(r["ring_B"], r["ring_x"], r["ring_a"], ss, g, h, 1, tile, smem["rB_smem"],
-              smem["rx_smem"], smem["ra_smem"], bars)
+  _stage_head(r["state"], r["ring_B"], r["ring_x"], r["ring_a"], s, g, h, tile, smem["S_smem"],
+              smem["rB_smem"], smem["rx_smem"], smem["ra_smem"], bars)
   return r, pt, h, b, s, tile, g
 
 
 def _after_window(smem, bars, base, count, ring_size):
   """The staged checkpoint tile brought through the window [base, base + count): S_{t-1} [BP, N]."""
-  _wait_all(bars, 4)
-  S = plgpu.load(smem["S_smem"], layout=_TILE).astype(f32)
-  return _fold_window(S, smem["rB_smem"], smem["rx_smem"].at[0], smem["ra_smem"].at[0], base, count,
-                      ring_size)
+  return _tile_after_window(smem["S_smem"], smem["rB_smem"], smem["rx_smem"], smem["ra_smem"], bars,
+                            base, count, ring_size)
 
 
 def _store_checkpoint(r, smem, S, s, h, tile):
