@@ -17,9 +17,10 @@ Same op semantics as gdn_triton.py; three kernels, each ``kernel → builder →
 * ``materialize``: the same fold body on every row, into a fresh f32 [B, Hv, V, K].
 * ``replay_verify``: speculative verify of T tokens per row, the reconstruct route of the Triton
   kernels (gdn_triton ``_reconstruct_kernel``). Grid (V/BV, Hv, B); a program TMA-stages its
-  checkpoint tile and the row's ring, replays the committed window into the tile
-  (``_fold_window``), steps the T tokens by the delta rule (outputs, ring appends past the window),
-  and a flushing row stores the tile after token 0 in place: committed history only, one launch.
+  checkpoint tile, the row's ring and the T tokens' q, k, v, replays the committed window into
+  the tile (``_fold_window``), steps the T tokens by the delta rule (outputs, ring appends past
+  the window), and a flushing row stores the tile after token 0 in place: committed history
+  only, one launch.
 
 Ring windows are walked entry by entry (``lax.fori_loop`` over ``count`` entries at ring indices
 ``(base + j) mod R``), so entries outside a window (stale or NaN) are staged into SMEM but never
@@ -265,7 +266,7 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
 
 def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
                    g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
-                   S_smem, rk_smem, ru_smem, rg_smem, bars,
+                   S_smem, rk_smem, ru_smem, rg_smem, q_smem, k_smem, v_smem, bars, tok_bars,
                    *, scale, group, block_v, ring_size, num_tokens):
   vt, h, b = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
   s = slots_ref[b]
@@ -273,21 +274,29 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
   hk = h // group
   _stage_head(state_ref, ring_k_ref, ring_u_ref, ring_g_ref, s, hk, h, tile, S_smem, rk_smem,
               ru_smem, rg_smem, bars)
+  # The T tokens' q, k [T, K] and v [T, BV] by TMA, their g and β loaded now: both overlap the
+  # window replay instead of queueing behind it token by token.
+  for i, (src, dst) in enumerate(((q_ref.at[b, :, hk], q_smem), (k_ref.at[b, :, hk], k_smem),
+                                  (v_ref.at[b, :, h, tile], v_smem))):
+    plgpu.copy_gmem_to_smem(src, dst, tok_bars.at[i])
+  gs = [g_ref[b, i, h] for i in range(num_tokens)]
+  betas = [beta_ref[b, i, h] for i in range(num_tokens)]
   base, count, n = base_ref[b], count_ref[b], lengths_ref[b]
   valid = s >= 0
   S = _tile_after_window(S_smem, rk_smem, ru_smem, rg_smem, bars, base, count, ring_size)
+  _wait_all(tok_bars, 3)
   rdt = ring_u_ref.dtype
   for i in range(num_tokens):
     live = valid & (n > i)
     put = (base + count + i) % ring_size
-    # A padded lane's inputs may be NaN and are never read: it reads token 0's (real on a live row)
-    # with g = β = 0, so u = 0 and S is unchanged exactly; its output is a stored zero.
+    # A padded lane's inputs may be NaN and are never read: it reads token 0's vectors (real on a
+    # live row) with g = β = 0, so u = 0 and S is unchanged exactly; its output is a stored zero.
     at = jnp.where(live, i, 0)
-    k = _vec(k_ref.at[b, at, hk], _ROW_K)
-    q = _vec(q_ref.at[b, at, hk], _ROW_K) * scale
-    v = _vec(v_ref.at[b, at, h, tile], _COL_V)
-    g = jnp.where(live, g_ref[b, at, h].astype(f32), 0.0)
-    beta = jnp.where(live, beta_ref[b, at, h].astype(f32), 0.0)
+    k = _vec(k_smem.at[at], _ROW_K)
+    q = _vec(q_smem.at[at], _ROW_K) * scale
+    v = _vec(v_smem.at[at], _COL_V)
+    g = jnp.where(live, gs[i].astype(f32), 0.0)
+    beta = jnp.where(live, betas[i].astype(f32), 0.0)
     alpha = jnp.exp(g)
     u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
     S = alpha * S + u[:, None] * k[None, :]
@@ -387,7 +396,9 @@ def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpr
       kernel, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
       grid=(vd // bv, hv, batch), grid_names=("vt", "h", "b"),
       scratch_types=dict(S_smem=plgpu.SMEM((bv, kd), bufs.state.dtype), **_ring_scratch(bufs, 1, bv),
-                         bars=plgpu.Barrier(num_barriers=4)),
+                         q_smem=plgpu.SMEM((t, kd), q.dtype), k_smem=plgpu.SMEM((t, kd), k.dtype),
+                         v_smem=plgpu.SMEM((t, bv), v.dtype), bars=plgpu.Barrier(num_barriers=4),
+                         tok_bars=plgpu.Barrier(num_barriers=3)),
       kernel_name="replayssm_gdn_verify_mosaic", interpret=_interpret(interpret),
   )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, q, k, v, g, beta,
     *refs)
@@ -515,6 +526,9 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
              bufs.head_v_dim, block_v)
   smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=1, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype)
+  t = q.shape[1]   # the tokens' staged q, k [T, K] and v [T, BV]
+  smem += t * (bufs.head_k_dim * (q.dtype.itemsize + k.dtype.itemsize)
+               + cfg.block_v * v.dtype.itemsize)
   _require_lowerable("gdn.replay_verify[pallas_mosaic]", head_k_dim=bufs.head_k_dim,
                      head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,
                      smem=smem, ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)

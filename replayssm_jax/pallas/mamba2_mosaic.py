@@ -14,7 +14,8 @@ Same op semantics as mamba2_triton.py; ``kernel → builder → public wrapper``
   tile (window + token) into its checkpoint in the same program. Entries outside the window are
   staged but never read. The output-only route is not implemented here (NotImplementedError).
 * ``replay_verify``: the same program for T tokens (speculative verify, reconstruct route): the
-  window replayed, then T steps with their ring appends; a flushing row stores the tile after
+  tokens' x and z TMA-staged with the checkpoint, the window replayed, then T steps with their
+  ring appends; a flushing row stores the tile after
   token 0 (committed history only), in the same launch.
 
 Everything is float32 multiply-and-reduce, never wgmma (Mosaic f32 wgmma is TF32). Padding rows
@@ -27,6 +28,7 @@ Shapes: x, z [B, H, P]; dt [B, H]; A, D, dt_bias [H]; B, C [B, G, N]; pool [Ns, 
 Head h reads group h // (H // G).
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,32 +42,48 @@ from replayssm_jax.mamba2.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
 from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _fit, _interpret,
                                              _require_lowerable, _smem_bytes, _stage_head,
-                                             _tile_after_window, _vec, _zeros)
+                                             _tile_after_window, _vec, _wait_all, _zeros)
 
 f32 = jnp.float32
 _ROW_N, _COL_P = _ROW_K, _COL_V   # the GDN [V, K] tile's layouts, read as Mamba2's [P, N]
+_P_VECTORS = ("x", "z")           # per-token vectors over P (the others, B and C, are over N)
+# The verify kernel's token vectors copied to SMEM by TMA (``_stage_tokens``). Staging x and z
+# beat staging all four, B and C only, or none (bench/NOTES.md 35); B and C stay GMEM loads.
+_STAGED = ("x", "z")
 
 
-def _token(r, at, h, tile, softplus, live=True):
-  """(ΔA, Δx [BP], x [BP]) of head h at input index ``at`` ((b,) for decode, (b, i) for verify):
-  Δ = softplus(dt + dt_bias), float32. ``live`` False gives Δ = 0 (ΔA = 0, Δx = 0 exactly)."""
-  dt = r["dt"][(*at, h)].astype(f32)
+def _token_vectors(r, at, h, g, tile, staged=None):
+  """One token's vectors at input index ``at`` ((b,) for decode, (b, i) for verify): name →
+  float32 vector (x, z [BP] of head h; B, C [N] of group g), read from the SMEM copy
+  ``staged[name + "_tok"]`` (``_stage_tokens``) where there is one, else from GMEM."""
+  def vec(name):
+    layout = _COL_P if name in _P_VECTORS else _ROW_N
+    if staged is not None and f"{name}_tok" in staged:
+      return _vec(staged[f"{name}_tok"].at[at[-1]], layout)
+    return _vec(r[name].at[(*at, h, tile) if name in _P_VECTORS else (*at, g)], layout)
+  return vec
+
+
+def _token(r, dt, h, vec, softplus, live=True):
+  """(ΔA, Δx [BP], x [BP]) of head h from its raw dt scalar and ``vec``: Δ = softplus(dt +
+  dt_bias), float32. ``live`` False gives Δ = 0 (ΔA = 0, Δx = 0 exactly)."""
+  dt = dt.astype(f32)
   if "dt_bias" in r:
     dt = dt + r["dt_bias"][h].astype(f32)
   delta = common.softplus(dt, log1p=common.log1p_from_log) if softplus else dt
   delta = jnp.where(live, delta, 0.0)
-  x = _vec(r["x"].at[(*at, h, tile)], _COL_P)
+  x = vec("x")
   return delta * r["A"][h].astype(f32), delta * x, x
 
 
-def _step(r, at, h, g, tile, S, dA, dx, x):
+def _step(r, h, vec, S, dA, dx, x):
   """(S_t = e^{ΔA} S + Δx Bᵀ, (S_t C + D x) · silu(z)) on a float32 [BP, N] tile."""
-  S = jnp.exp(dA) * S + dx[:, None] * _vec(r["B"].at[(*at, g)], _ROW_N)[None, :]
-  y = jnp.sum(S * _vec(r["C"].at[(*at, g)], _ROW_N)[None, :], axis=1)
+  S = jnp.exp(dA) * S + dx[:, None] * vec("B")[None, :]
+  y = jnp.sum(S * vec("C")[None, :], axis=1)
   if "D" in r:
     y = y + r["D"][h].astype(f32) * x
   if "z" in r:
-    y = common.silu_gate(y, _vec(r["z"].at[(*at, h, tile)], _COL_P))
+    y = common.silu_gate(y, vec("z"))
   return S, y
 
 
@@ -81,9 +99,10 @@ def _decode_kernel(*refs, S_smem, bar, names, group, block_p, softplus):
   s = r["slots"][b]
   tile = pl.ds(pt * block_p, block_p)
   plgpu.copy_gmem_to_smem(r["pool"].at[jnp.maximum(s, 0), h, tile], S_smem, bar)
-  dA, dx, x = _token(r, (b,), h, tile, softplus)
+  vec = _token_vectors(r, (b,), h, h // group, tile)
+  dA, dx, x = _token(r, r["dt"][b, h], h, vec, softplus)
   plgpu.barrier_wait(bar)
-  S, y = _step(r, (b,), h, h // group, tile, plgpu.load(S_smem, layout=_TILE).astype(f32), dA, dx, x)
+  S, y = _step(r, h, vec, plgpu.load(S_smem, layout=_TILE).astype(f32), dA, dx, x)
 
   @pl.when(s >= 0)
   def _():
@@ -127,9 +146,10 @@ def _replay_kernel(*refs, bars, names, group, block_p, ring_size, softplus, **sm
   r, pt, h, b, s, tile, g = _start(refs, smem, bars, names, group, block_p)
   base, count = r["base"][b], r["count"][b]
   put = (base + count) % ring_size                                 # this token's ring index
-  dA, dx, x = _token(r, (b,), h, tile, softplus)                   # loads overlap the TMA
+  vec = _token_vectors(r, (b,), h, g, tile)
+  dA, dx, x = _token(r, r["dt"][b, h], h, vec, softplus)          # loads overlap the TMA
   S = _after_window(smem, bars, base, count, ring_size)
-  S, y = _step(r, (b,), h, g, tile, S, dA, dx, x)
+  S, y = _step(r, h, vec, S, dA, dx, x)
   valid = s >= 0
 
   @pl.when(valid)
@@ -155,21 +175,37 @@ def _replay_kernel(*refs, bars, names, group, block_p, ring_size, softplus, **sm
   plgpu.wait_smem_to_gmem(0)
 
 
-def _verify_kernel(*refs, bars, names, group, block_p, ring_size, softplus, num_tokens, **smem):
+def _stage_tokens(r, smem, tok_bars, b, h, g, tile):
+  """TMA of row b's T tokens' ``_STAGED`` vectors into SMEM (x, z [T, BP] of head h; B, C [T, N]
+  of group g; one barrier each, in that order), issued with the checkpoint tile's, so they
+  overlap the window replay instead of queueing behind it token by token."""
+  for j, name in enumerate(n for n in _STAGED if n in r):
+    src = r[name].at[b, :, h, tile] if name in _P_VECTORS else r[name].at[b, :, g]
+    plgpu.copy_gmem_to_smem(src, smem[f"{name}_tok"], tok_bars.at[j])
+
+
+def _verify_kernel(*refs, bars, names, group, block_p, ring_size, softplus, num_tokens,
+                   tok_bars=None, **smem):
   """The replay kernel for T tokens (reconstruct route of speculative verify): window replayed
   into the tile, then T steps, each token appended past the window; a flushing row stores the
-  tile after token 0 (committed history only). A padded lane reads token 0's inputs with Δ = 0,
-  so S is unchanged exactly and its own inputs (NaN allowed) are never read."""
+  tile after token 0 (committed history only). The T tokens' ``_STAGED`` vectors are TMA-staged
+  with the checkpoint tile and their dt scalars loaded before the window, so both overlap its
+  replay.
+  A padded lane reads token 0's vectors with Δ = 0, so S is unchanged exactly and its own
+  vectors (NaN allowed) are never read."""
   r, pt, h, b, s, tile, g = _start(refs, smem, bars, names, group, block_p)
+  _stage_tokens(r, smem, tok_bars, b, h, g, tile)
   base, count, n = r["base"][b], r["count"][b], r["lengths"][b]
+  dts = [r["dt"][b, i, h] for i in range(num_tokens)]   # a padded lane's dt is masked by Δ = 0
   valid = s >= 0
   S = _after_window(smem, bars, base, count, ring_size)
+  _wait_all(tok_bars, sum(name in r for name in _STAGED))
   for i in range(num_tokens):
     live = valid & (n > i)
     put = (base + count + i) % ring_size
-    at = (b, jnp.where(live, i, 0))
-    dA, dx, x = _token(r, at, h, tile, softplus, live)
-    S, y = _step(r, at, h, g, tile, S, dA, dx, x)
+    vec = _token_vectors(r, (b, jnp.where(live, i, 0)), h, g, tile, staged=smem)
+    dA, dx, x = _token(r, dts[i], h, vec, softplus, live)
+    S, y = _step(r, h, vec, S, dA, dx, x)
 
     @pl.when(live)
     def _():
@@ -182,7 +218,7 @@ def _verify_kernel(*refs, bars, names, group, block_p, ring_size, softplus, num_
 
         @pl.when(h % group == 0)
         def _():
-          r["ring_B"][s, g, put] = _vec(r["B"].at[(*at, g)], _ROW_N).astype(r["ring_B"].dtype)
+          r["ring_B"][s, g, put] = vec("B").astype(r["ring_B"].dtype)
 
     @pl.when(~live)
     def _():
@@ -200,6 +236,20 @@ def _ring_scratch(bufs, block_p):
   return {"rB_smem": plgpu.SMEM((r, bufs.state_dim), bufs.ring_B.dtype),
           "rx_smem": plgpu.SMEM((1, r, block_p), bufs.ring_x.dtype),
           "ra_smem": plgpu.SMEM((1, r), f32)}
+
+
+def _token_shapes(inputs, num_tokens):
+  """name → (shape of its SMEM copy as a function of the P tile, dtype) for the T tokens' given
+  ``_STAGED`` vectors: x, z [T, BP]; B, C [T, N]."""
+  return {name: ((lambda bp: (num_tokens, bp)) if name in _P_VECTORS else
+                 (lambda bp, n=inputs[name].shape[-1]: (num_tokens, n)), inputs[name].dtype)
+          for name in _STAGED if name in inputs}
+
+
+def _token_scratch(inputs, num_tokens, block_p):
+  """SMEM for the T tokens' given vectors (``_stage_tokens``)."""
+  return {f"{name}_tok": plgpu.SMEM(shape(block_p), dtype)
+          for name, (shape, dtype) in _token_shapes(inputs, num_tokens).items()}
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
@@ -249,6 +299,7 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
             "count": plan.count, "flush": plan.flush.astype(jnp.int32), "lengths": lengths}
   names = ("state", "ring_x", "ring_B", "ring_a")
   refs = [jax.new_ref(getattr(bufs, k)) for k in names]   # written Refs: updated in place
+  tokens = _token_scratch(inputs, t, bp)
   kernel = functools.partial(_verify_kernel, names=(*inputs, *names, "y_out"),
                              group=h // bufs.num_groups, block_p=bp, ring_size=bufs.ring_size,
                              softplus=dt_softplus, num_tokens=t)
@@ -256,7 +307,8 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
       kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
       grid=(p // bp, h, batch), grid_names=("pt", "h", "b"),
       scratch_types={"S_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.state.dtype),
-                     **_ring_scratch(bufs, bp), "bars": plgpu.Barrier(num_barriers=4)},
+                     **_ring_scratch(bufs, bp), **tokens, "bars": plgpu.Barrier(num_barriers=4),
+                     **({"tok_bars": plgpu.Barrier(num_barriers=len(tokens))} if tokens else {})},
       kernel_name="replayssm_mamba2_verify_mosaic", interpret=_interpret(interpret),
   )(*inputs.values(), *refs)
   return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
@@ -310,19 +362,22 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
   x, z [B, T, H, P]; dt [B, T, H]; B, C [B, T, G, N]; lengths int32[B]. Returns
   (y [B, T, H, P] in x.dtype, bufs). ``block_p`` overrides the config's P tile.
   """
+  tokens = _token_shapes(_step_inputs(None, x, dt, A, B, C, D, z, dt_bias), x.shape[1])
   cfg = _replay_tile("mamba2.replay_verify[pallas_mosaic]", config_lib.mosaic_mamba2_verify_config,
-                     bufs, block_p)
+                     bufs, block_p, tokens=tokens)
   return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,
                         cfg=cfg, interpret=common.interpret_mode())
 
 
-def _replay_tile(op, config, bufs, block_p):
-  """The P tile of a kernel that stages the checkpoint tile and the row's ring; NotImplementedError
-  where Mosaic cannot lower it."""
+def _replay_tile(op, config, bufs, block_p, tokens=None):
+  """The P tile of a kernel that stages the checkpoint tile, the row's ring and (verify) the
+  ``tokens`` of ``_token_shapes``; NotImplementedError where Mosaic cannot lower it."""
   p, n = bufs.head_dim, bufs.state_dim
   cfg = _p_tile(op, config, p, block_p)
   smem = _smem_bytes(cfg.block_v, n, heads=1, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_x.dtype)
+  smem += sum(math.prod(shape(cfg.block_v)) * jnp.dtype(dtype).itemsize
+              for shape, dtype in (tokens or {}).values())
   _require_lowerable(op, head_k_dim=n, head_v_dim=p, block_v=cfg.block_v,
                      ring_size=bufs.ring_size, smem=smem, dims=("P", "N"),
                      ring_itemsize=jnp.dtype(bufs.ring_x.dtype).itemsize)
