@@ -61,9 +61,10 @@ def _loop(graphdef, *, replay, buffer_len, implementation, flush_all):
   return jax.jit(run, donate_argnums=(1,))   # n traced: one compilation for every n
 
 
-def staggered_cache(model, batch, *, replay, buffer_len):
-  """A bf16-ring cache whose row b has b mod (L-1) pending entries (replay): mixed flush phases."""
-  cache = model.init_cache(batch, buffer_len=buffer_len, ring_dtype=jnp.bfloat16)
+def staggered_cache(model, batch, *, replay, buffer_len, max_draft=0):
+  """A bf16-ring cache whose row b has b mod (L-1) pending entries (replay): mixed flush phases.
+  ``max_draft``: rings sized for verify steps of up to max_draft + 1 tokens (bench.model_spec)."""
+  cache = model.init_cache(batch, buffer_len=buffer_len, max_draft=max_draft, ring_dtype=jnp.bfloat16)
   count = (jnp.arange(batch, dtype=jnp.int32) % max(1, buffer_len - 1)) if replay else cache.cursor.count
   return cache.replace(cursor=cache.cursor.replace(count=count))
 

@@ -313,3 +313,67 @@ def test_verify_mosaic_arm_is_compared_with_conv_pallas():
   verify_decode.derive(rows)
   assert rows[2]["speedup_vs_conv"] == 2.0 and rows[2]["speedup_vs_conv_pallas"] == 2.0
   assert rows[3]["speedup_vs_conv"] == 2.0 and rows[3]["speedup_vs_conv_pallas"] == 0.5
+
+
+@pytest.mark.slow
+def test_model_spec_smoke(tmp_path):
+  """``python -m bench.model_spec --smoke`` on the hybrid stack (GDN + Mamba2 mixers): the XLA and the
+  interpreted Triton verify kernels pass the gate, are timed, and get speed-ups vs pallas_triton."""
+  from bench import model_spec  # noqa: PLC0415
+  out, md = tmp_path / "s.json", tmp_path / "s.md"
+  result = model_spec.main(["--smoke", "--stack", "hybrid", "--reps", "2", "--rep-seconds", "0.01",
+                            "--out-json", str(out), "--markdown", str(md)])
+  data = json.loads(out.read_text())
+  assert data["meta"]["command"].startswith("python -m bench.model_spec --smoke")
+  assert data["meta"]["source_digest"] and len(result["rows"]) == 2
+  rows = {r["implementation"]: r for r in data["rows"]}
+  assert list(rows) == ["xla", "pallas_triton"]
+  for r in rows.values():
+    assert (r["stack"], r["num_tokens"], r["batch"], r["buffer_len"]) == ("hybrid", 4, 8, 8)
+    assert r["status"] == "ok", (r["implementation"], r["status"], r["error"], r.get("gate"))
+    gate = r["gate"]
+    assert gate["passed"] and gate["cursor_equal"] and gate["max_rel_vs_xla"] <= gate["tol_rel"]
+    assert {"digest", "state0", "state1", "conv0", "conv1"} <= set(gate["rel"])
+    assert len(r["ms_per_step"]) == 2 and 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+    assert r["state_finite"] and r["speedup_vs_triton"] > 0 and isinstance(r["cache_copies"], list)
+  # The Triton kernels really ran: their bf16 ring entries round apart from XLA's.
+  assert rows["pallas_triton"]["gate"]["max_rel_vs_xla"] > 0 and rows["pallas_triton"]["speedup_vs_triton"] == 1.0
+  assert "| hybrid | 4 | 8 | 8 | pallas_triton |" in md.read_text()
+
+
+def test_model_spec_wrong_kernel_fails_the_gate(tmp_path, monkeypatch):
+  """A GDN verify whose outputs are shifted by one token (only for implementation=None, the "none"
+  arm; on CPU None runs XLA) fails the gate against the XLA arm: timed, but no speed-up."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  import replayssm_jax as rs  # noqa: PLC0415
+  from bench import model_spec  # noqa: PLC0415
+  real = rs.gdn.replay_verify
+
+  def wrong(*args, implementation=None, **kwargs):
+    o, bufs = real(*args, implementation=implementation, **kwargs)
+    return (jnp.roll(o, 1, axis=1) if implementation is None else o), bufs
+  monkeypatch.setattr(rs.gdn, "replay_verify", wrong)
+  out = tmp_path / "w.json"
+  model_spec.main(["--smoke", "--implementations", "xla,none", "--reps", "2", "--rep-seconds", "0.01",
+                   "--out-json", str(out)])
+  rows = {r["implementation"]: r for r in json.loads(out.read_text())["rows"]}
+  assert rows["xla"]["status"] == "ok" and rows["xla"]["gate"]["passed"]
+  bad = rows["none"]
+  assert bad["status"] == "gate-failed" and not bad["gate"]["passed"], bad["gate"]
+  assert bad["gate"]["max_rel_vs_xla"] > 0.1 and bad["gate"]["cursor_equal"] and bad["median_ms"] > 0
+
+
+def test_model_spec_speedups_only_between_passed_rows():
+  """Speed-up = the pallas_triton median of the same (stack, T, B, L) / the row's median; none for a
+  row that failed its gate, nor where the pallas_triton row failed or is missing."""
+  from bench import model_spec  # noqa: PLC0415
+  base = dict(stack="gdn", num_tokens=4, buffer_len=8, status="ok")
+  rows = [dict(base, batch=32, implementation="pallas_triton", median_ms=2.0),
+          dict(base, batch=32, implementation="pallas_mosaic", median_ms=1.0),
+          dict(base, batch=32, implementation="none", median_ms=4.0, status="gate-failed"),
+          dict(base, batch=256, implementation="pallas_triton", median_ms=3.0, status="gate-failed"),
+          dict(base, batch=256, implementation="pallas_mosaic", median_ms=1.0),
+          dict(base, batch=8, implementation="pallas_mosaic", median_ms=1.0)]
+  model_spec.derive(rows)
+  assert [r["speedup_vs_triton"] for r in rows] == [1.0, 2.0, None, None, None, None]
