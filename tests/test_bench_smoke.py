@@ -5,6 +5,9 @@ cursor checks, and that a wrong kernel fails the gate and gets no speedup.
 """
 import json
 
+import jax.numpy as jnp
+import numpy as np
+
 import pytest
 
 from bench import common
@@ -377,3 +380,78 @@ def test_model_spec_speedups_only_between_passed_rows():
           dict(base, batch=8, implementation="pallas_mosaic", median_ms=1.0)]
   model_spec.derive(rows)
   assert [r["speedup_vs_triton"] for r in rows] == [1.0, 2.0, None, None, None, None]
+
+
+class _FakeTensor:
+  """The few torch.Tensor methods bench.peer_fla's gate uses, over a numpy array."""
+
+  def __init__(self, a):
+    self.a = np.asarray(a)
+
+  def __getitem__(self, i):
+    return _FakeTensor(self.a[i])
+
+  def float(self):
+    return _FakeTensor(self.a.astype(np.float32))
+
+  def cpu(self):
+    return self
+
+  def numpy(self):
+    return self.a
+
+
+class _FakeTorch:
+  from_dlpack = staticmethod(lambda x: _FakeTensor(np.asarray(jnp.asarray(x, jnp.float32))))
+
+  class cuda:  # noqa: N801  (torch.cuda)
+    synchronize = staticmethod(lambda: None)
+
+
+def _fla_convention_step(decay: float):
+  """One GDN step in fla's calling convention (q, k [B, 1, Hk, K]; state [N, Hv, V, K] with
+  state_v_first): a stand-in for fused_recurrent_gated_delta_rule; ``decay`` 1 is exact."""
+  def step(q, k, v, *, g, beta, scale, initial_state, output_final_state, state_v_first):
+    assert output_final_state and state_v_first
+    q, k, v, g, beta, S = (x.a.astype(np.float64) for x in (q, k, v, g, beta, initial_state))
+    group = v.shape[2] // k.shape[2]
+    kh = np.repeat(k[:, 0], group, axis=1)
+    S = decay * np.exp(g[:, 0])[..., None, None] * S
+    u = beta[:, 0][..., None] * (v[:, 0] - np.einsum("bhvk,bhk->bhv", S, kh))
+    S = S + u[..., :, None] * kh[..., None, :]
+    o = np.einsum("bhvk,bhk->bhv", S, np.repeat(q[:, 0], group, axis=1) * scale)
+    return _FakeTensor(o[:, None]), _FakeTensor(S)
+  return step
+
+
+def test_peer_fla_gate_reads_fla_layouts():
+  """The peer gate compares fla's [B, 1, Hv, V] output and [N, Hv, V, K] state with XLA's decode:
+  an exact step in fla's convention passes, a 1 % decay error fails."""
+  from bench import peer_fla
+  geo = gdn_decode.SMOKE
+  inputs, state = peer_fla.make_inputs(geo, 3, seed=1), peer_fla.make_state(geo, 3, seed=2)
+  scale = geo.kd ** -0.5
+  ok = peer_fla.gate(_FakeTorch, _fla_convention_step(1.0), inputs, state, scale)
+  assert ok["passed"] and ok["rel_l2"]["state"] < 1e-6, ok
+  bad = peer_fla.gate(_FakeTorch, _fla_convention_step(0.99), inputs, state, scale)
+  assert not bad["passed"], bad
+
+
+def test_peer_fla_compare_and_skip(monkeypatch):
+  """Speed-up only where both gates passed; GB/s from the byte model; a missing peer is a
+  recorded skip, not an error."""
+  from bench import peer_fla
+  peers = [{"batch": b, "layers": 8, "median_ms": 0.3, "status": s, "bytes_per_layer_step": 3e8,
+            "gate": {"rel_l2": {"output": 1e-6, "state": 2e-6}}} for b, s in ((32, "ok"), (256, "gate-failed"))]
+  ours = [{"arm": "conv-pallas", "batch": b, "median_ms": 0.25, "status": "ok", "eff_gbps": 1.0,
+           "pct_ceiling": 2.0} for b in (32, 256)]
+  rows = peer_fla.compare(ours, peers, ceiling_gbps=4000.0)
+  assert rows[0]["ours_speedup_vs_peer"] == pytest.approx(1.2)
+  assert rows[1]["ours_speedup_vs_peer"] is None
+  assert rows[0]["peer_gbps"] == pytest.approx(1000.0) and rows[0]["peer_pct_ceiling"] == pytest.approx(25.0)
+  assert "FAILED" in peer_fla.table(rows).splitlines()[-1]
+
+  def missing():
+    raise ImportError("fla (fla-core) is not importable (test)")
+  monkeypatch.setattr(peer_fla, "load_peer", missing)
+  assert "fla" in peer_fla.main(["--batches", "2"])["skipped"]
