@@ -128,6 +128,20 @@ def test_verify_forced_flush_with_pending_drafts():
   _forced_flush_with_pending_drafts(impl=IMPL, conventional=False)
 
 
+def test_verify_long_windows_parity():
+  """L = 16, T = 2: rows that do not flush carry windows of 8 entries and more. At L = 2T (the
+  tests above) every row with a window flushes, so no other test holds a long window on a
+  non-flushing row."""
+  from tests.test_gdn_verify_pallas import Lockstep, _rows
+  rng = np.random.default_rng(16)
+  h = Lockstep(num_tokens=2, buffer_len=16, seed=16, impl=IMPL, conventional=False)
+  longest = 0
+  for t in range(12):
+    longest = max(longest, int(np.max(np.asarray(h.cursor.count))))
+    h.step(_rows(rng, t))
+  assert longest >= 8, longest
+
+
 def test_the_mosaic_kernels_run():
   """implementation="pallas_mosaic" traces our Mosaic kernels (not the Triton ones)."""
   cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)

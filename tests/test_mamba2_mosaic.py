@@ -63,6 +63,20 @@ def test_verify_random_accepts_parity():
   _random_accepts(2, 4, impl=IMPL, conventional=False)
 
 
+def test_verify_long_windows_parity():
+  """L = 16, T = 2: rows that do not flush carry windows of 8 entries and more (at L = 2T every
+  row with a window flushes)."""
+  from tests.test_mamba2_verify_pallas import BATCH, Twin, _staggered_rows
+  rng = np.random.default_rng(16)
+  twin = Twin(num_tokens=2, buffer_len=16, seed=16, impl=IMPL, conventional=False)
+  longest = 0
+  for t in range(12):
+    longest = max(longest, int(np.max(np.asarray(twin.cursor.count))))
+    twin.step(_staggered_rows(rng, NUM_SLOTS, BATCH, t + 2), lengths=np.full(BATCH, 2),
+              force=np.zeros(BATCH, bool))
+  assert longest >= 8, longest
+
+
 def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
   jp, pool, j, slots = _one_step(7)
   run = lambda: rs.mamba2.decode(j["x"], j["dt"], jp["A"], j["B"], j["C"], pool, slots,
