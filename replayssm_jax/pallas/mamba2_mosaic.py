@@ -238,18 +238,12 @@ def _ring_scratch(bufs, block_p):
           "ra_smem": plgpu.SMEM((1, r), f32)}
 
 
-def _token_shapes(inputs, num_tokens):
-  """name → (shape of its SMEM copy as a function of the P tile, dtype) for the T tokens' given
-  ``_STAGED`` vectors: x, z [T, BP]; B, C [T, N]."""
-  return {name: ((lambda bp: (num_tokens, bp)) if name in _P_VECTORS else
-                 (lambda bp, n=inputs[name].shape[-1]: (num_tokens, n)), inputs[name].dtype)
-          for name in _STAGED if name in inputs}
-
-
 def _token_scratch(inputs, num_tokens, block_p):
-  """SMEM for the T tokens' given vectors (``_stage_tokens``)."""
-  return {f"{name}_tok": plgpu.SMEM(shape(block_p), dtype)
-          for name, (shape, dtype) in _token_shapes(inputs, num_tokens).items()}
+  """SMEM for the T tokens' given ``_STAGED`` vectors (``_stage_tokens``): x, z [T, BP];
+  B, C [T, N]."""
+  return {f"{name}_tok": plgpu.SMEM((num_tokens, block_p if name in _P_VECTORS else
+                                     inputs[name].shape[-1]), inputs[name].dtype)
+          for name in _STAGED if name in inputs}
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
@@ -362,22 +356,23 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
   x, z [B, T, H, P]; dt [B, T, H]; B, C [B, T, G, N]; lengths int32[B]. Returns
   (y [B, T, H, P] in x.dtype, bufs). ``block_p`` overrides the config's P tile.
   """
-  tokens = _token_shapes(_step_inputs(None, x, dt, A, B, C, D, z, dt_bias), x.shape[1])
+  given = _step_inputs(None, x, dt, A, B, C, D, z, dt_bias)
   cfg = _replay_tile("mamba2.replay_verify[pallas_mosaic]", config_lib.mosaic_mamba2_verify_config,
-                     bufs, block_p, tokens=tokens)
+                     bufs, block_p, tokens=lambda bp: _token_scratch(given, x.shape[1], bp))
   return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,
                         cfg=cfg, interpret=common.interpret_mode())
 
 
 def _replay_tile(op, config, bufs, block_p, tokens=None):
   """The P tile of a kernel that stages the checkpoint tile, the row's ring and (verify) the
-  ``tokens`` of ``_token_shapes``; NotImplementedError where Mosaic cannot lower it."""
+  token scratch ``tokens(P tile)``; NotImplementedError where Mosaic cannot lower it."""
   p, n = bufs.head_dim, bufs.state_dim
   cfg = _p_tile(op, config, p, block_p)
   smem = _smem_bytes(cfg.block_v, n, heads=1, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_x.dtype)
-  smem += sum(math.prod(shape(cfg.block_v)) * jnp.dtype(dtype).itemsize
-              for shape, dtype in (tokens or {}).values())
+  if tokens is not None:
+    smem += sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+                for ref in tokens(cfg.block_v).values())
   _require_lowerable(op, head_k_dim=n, head_v_dim=p, block_v=cfg.block_v,
                      ring_size=bufs.ring_size, smem=smem, dims=("P", "N"),
                      ring_itemsize=jnp.dtype(bufs.ring_x.dtype).itemsize)
