@@ -25,8 +25,9 @@ def resolve(op: str, implementation) -> str | None:
   return implementation
 
 
-def run(op: str, implementation, table: dict):
-  """Runs ``table[name]()`` for the chosen implementation (see module doc)."""
+def run(op: str, implementation, table: dict, prefer: tuple[str, ...] = ()):
+  """Runs ``table[name]()`` for the chosen implementation (see module doc). With
+  ``implementation=None`` on a GPU, the measured-faster ``prefer`` (a config rule) go first."""
   name = resolve(op, implementation)
   if name is not None:
     if name not in table:
@@ -34,7 +35,10 @@ def run(op: str, implementation, table: dict):
                                 f"(available: {sorted(table)})")
     return table[name]()
   errors = []
-  for candidate in _auto_order():
+  order = _auto_order()
+  if "pallas_triton" in order:   # a GPU: the op's measured preference, then the usual order
+    order = (*prefer, *(c for c in order if c not in prefer))
+  for candidate in order:
     if candidate not in table:
       continue
     try:

@@ -152,6 +152,34 @@ def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_
                        head_v_dim=head_v_dim, batch=0)
 
 
+def verify_implementations(*, device_kind: str, family: str, state_dtype, num_tokens: int,
+                           batch: int) -> tuple[str, ...]:
+  """GPU implementations that ``replay_verify(implementation=None)`` tries first, fastest first
+  (the rest follow in the usual order; a kernel that cannot take the input falls through)."""
+  if family not in SMALL_BATCH_FAMILIES:
+    raise ValueError(f"family={family!r}; expected one of {SMALL_BATCH_FAMILIES}")
+  if "H200" not in device_kind:
+    return ()   # the Mosaic kernels are Hopper kernels, measured on the H200 only
+  # H200 2026-11-30 (bench/RESULTS.md, session 8), L = 8, f32 state, ms per layer-step, Mosaic
+  # (commit bd683aa) vs Triton's reconstruct kernel in the same run:
+  # GDN T=2: 0.0525 vs 0.0523 (B=32), 0.1565 vs 0.1537 (128), 0.2933 vs 0.2909 (256) → a tie, Triton;
+  # T=4: 0.0687 vs 0.0765, 0.2149 vs 0.2472, 0.4071 vs 0.4770; T=8: 0.0980 vs 0.1244, 0.3341 vs
+  # 0.4407, 0.6437 vs 0.8621. bf16 state, B=256: T=4 0.3886 vs 0.4270, T=8 0.6120 vs 0.7330.
+  # Mamba2 (Nemotron-3-Super layer), B=256: T=2/4/8 0.456/0.638/1.110 vs 0.546/0.873/1.412; the
+  # first Mosaic kernel also won at B=32 (T=2/4/8 0.0765/0.1027/0.1654 vs 0.0831/0.1239/0.1951).
+  # Model level (bench.model_spec, H200 2026-11-30, session 9: one verify + commit step of the whole
+  # stack, L = 8, f32): Mosaic over Triton GDN T=4 1.12x (B=32) / 1.22x (256), T=8 1.16x / 1.20x;
+  # Mamba2 T=4 1.04x / 1.08x, T=8 1.07x / 1.10x. The kernels' lead survives inside the model.
+  # Below B = 32 (unmeasured) and for Mamba2 bf16 (unmeasured) Triton stays first.
+  if batch < 32:
+    return ()
+  if family == "gdn":
+    mosaic = num_tokens >= 4 and (_is_f32(state_dtype) or batch >= 256)
+  else:
+    mosaic = _is_f32(state_dtype)
+  return ("pallas_mosaic",) if mosaic else ()
+
+
 DECODE_BUFFER_LEN = 16
 
 

@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax import _checks
+from replayssm_jax import config as config_lib
 from replayssm_jax import _dispatch
 from replayssm_jax import _slots
+from replayssm_jax.pallas import common as pallas_common
 from replayssm_jax.gdn import reference
 from replayssm_jax.gdn import xla
 from replayssm_jax.gdn.buffers import FOLDS, ReplayBuffers
@@ -269,8 +271,12 @@ def replay_verify(q, k, v, g, beta, bufs, plan, *, lengths=None, scale=None, fol
     from replayssm_jax.pallas import gdn_mosaic
     return gdn_mosaic.replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=scale)
 
+  prefer = config_lib.verify_implementations(
+      device_kind=pallas_common.device_kind(), family="gdn", state_dtype=bufs.state.dtype,
+      num_tokens=plan.num_tokens, batch=b) if implementation is None else ()
   return _dispatch.run("gdn.replay_verify", implementation,
-                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic})
+                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic},
+                       prefer=prefer)
 
 
 _jit_xla_verify = jax.jit(xla.replay_verify, static_argnames=("scale", "fold"))

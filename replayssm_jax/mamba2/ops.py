@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from replayssm_jax import _checks
+from replayssm_jax import config as config_lib
 from replayssm_jax import _dispatch
 from replayssm_jax import _slots
+from replayssm_jax.pallas import common as pallas_common
 from replayssm_jax.mamba2 import reference
 from replayssm_jax.mamba2 import xla
 from replayssm_jax.mamba2.buffers import ReplayBuffers
@@ -261,8 +263,12 @@ def replay_verify(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
     return mamba2_mosaic.replay_verify(x, dt, A, B, C, bufs, plan, lengths, D=D, z=z,
                                        dt_bias=dt_bias, dt_softplus=softplus)
 
+  prefer = config_lib.verify_implementations(
+      device_kind=pallas_common.device_kind(), family="mamba2", state_dtype=bufs.state.dtype,
+      num_tokens=plan.num_tokens, batch=b) if implementation is None else ()
   return _dispatch.run("mamba2.replay_verify", implementation,
-                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic})
+                       {"xla": run_xla, "pallas_triton": run_triton, "pallas_mosaic": run_mosaic},
+                       prefer=prefer)
 
 
 _jit_xla_verify = jax.jit(xla.replay_verify, static_argnames=("dt_softplus",))
