@@ -7,6 +7,7 @@ device and lower with ``lowering_platforms=("cuda",)``.
 """
 import contextlib
 import contextvars
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,25 @@ def require_pow2(op: str, **sizes: int) -> None:
     raise NotImplementedError(
         f"{op}: the Pallas-Triton kernels need power-of-two sizes for every load and store; got "
         f"{listed} (use implementation='xla', or None to fall back automatically)")
+
+
+# Pallas-Triton computes every element offset (index · stride, summed) in int32 and only then
+# scales it to bytes in 64 bits, so an array of more than 2**31 elements would be addressed
+# modulo 2**32: wrong rows read and written, silently.
+TRITON_MAX_ELEMENTS = 2 ** 31
+
+
+def require_int32_offsets(op: str, **operands) -> None:
+  """NotImplementedError if an operand of a Pallas-Triton kernel has more elements than int32
+  element offsets reach (``TRITON_MAX_ELEMENTS``)."""
+  bad = {name: a for name, a in operands.items() if math.prod(a.shape) > TRITON_MAX_ELEMENTS}
+  if bad:
+    listed = ", ".join(f"{name} {tuple(a.shape)} ({math.prod(a.shape)} elements)"
+                       for name, a in bad.items())
+    raise NotImplementedError(
+        f"{op}: the Pallas-Triton kernels address arrays with int32 element offsets, at most "
+        f"2**31 = {TRITON_MAX_ELEMENTS} elements per array; got {listed} (use "
+        f"implementation='xla', or None to fall back automatically)")
 
 
 def load_window(ref, inside_rows):

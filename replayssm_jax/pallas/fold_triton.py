@@ -139,6 +139,7 @@ def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, 
     out, aliases = jax.ShapeDtypeStruct((batch, h, vd, kd), f32), {}
   args = (rows, jnp.reshape(num_rows, (1,)).astype(jnp.int32), slots, base, length, state,
           ring_k, ring_u, ring_g)
+  common.require_int32_offsets(name, state=state, ring_k=ring_k, ring_u=ring_u, out=out)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   tiles = (vd // cfg.block_v) * (kd // cfg.block_k)
   (result,) = pl.pallas_call(

@@ -28,6 +28,7 @@ Shapes: q, k [B, Hk, K]; v [B, Hv, V]; g, beta [B, Hv]; state [N, Hv, V, K];
 ring_k [N, Hk, R, K]; ring_u [N, Hv, R, V]; ring_g [N, Hv, R].
 """
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -252,6 +253,12 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
 # ----------------------------------------------------------------------------------------------
 
 def _pallas(kernel, args, *, grid, out_shape, aliases, cfg, name, interpret):
+  """pallas_call over whole GMEM operands; ``kernel`` a partial whose leading parameters name the
+  refs (inputs, then outputs)."""
+  refs = list(inspect.signature(getattr(kernel, "func", kernel)).parameters)
+  refs = [r.removesuffix("_ref") for r in refs]
+  fresh = [(refs[len(args) + i], o) for i, o in enumerate(out_shape) if i not in aliases.values()]
+  common.require_int32_offsets(name, **dict(zip(refs, args)), **dict(fresh))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[any_spec] * len(args), out_specs=[any_spec] * len(out_shape),

@@ -252,6 +252,8 @@ def _materialize_kernel(*refs, names, group, block_p, block_n, ring_size):
 def _pallas(kernel, inputs: dict, outputs: dict, aliases: dict, *, grid, cfg, name, interpret):
   """pallas_call over named GMEM operands; ``aliases`` maps input names to output names."""
   in_names, out_names = list(inputs), list(outputs)
+  fresh = {k: v for k, v in outputs.items() if k not in aliases.values()}
+  common.require_int32_offsets(name, **{**inputs, **fresh})
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   outs = pl.pallas_call(
       functools.partial(kernel, names=tuple(in_names + out_names)), grid=grid,
