@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from replayssm_jax.pallas import common as pallas_common
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
 _T0 = time.perf_counter()
@@ -431,3 +433,9 @@ def fmt_float(x, spec: str, missing: str = "-") -> str:
 @functools.cache
 def itemsize(dtype) -> int:
   return jnp.dtype(dtype).itemsize
+
+
+def addressable_layers(elements_per_layer: int) -> int:
+  """How many layers' slot ranges one array may hold and stay within the int32 element offsets of
+  the Pallas-Triton kernels (at least 1: one layer's own array is the op's own limit)."""
+  return max(1, pallas_common.TRITON_MAX_ELEMENTS // int(elements_per_layer))

@@ -154,6 +154,11 @@ def test_mamba2_bytes_model_nemotron_super():
   entry = (128 * 64 + 8 * 128) * 2 + 128 * 4
   rep = mamba2_decode.bytes_model(geo, "replay", 8, "float32", "bfloat16", "bfloat16")
   assert rep["total"] == pytest.approx(io + state * (1 + 1 / 8) + entry * (7 / 2 + 1))
+  # The layers share one pool array, which the Triton kernels address with int32 element offsets:
+  # at B = 512 (2**29 elements per layer) at most 4 layers, not --min-layers 8.
+  assert harness.layers_for(geo, 512, "bfloat16", 2**30, 4096, min_layers=8) == 4
+  assert harness.layers_for(geo, 256, "float32", 2**30, 4096, min_layers=8) == 8
+  assert harness.layers_for(geo, 4096, "float32", 2**30, 4096, min_layers=8) == 1
 
 
 def test_model_decode_smoke(tmp_path):
@@ -248,6 +253,15 @@ def test_verify_decode_smoke(tmp_path):
   assert "route='output_only'" in rows["replay-pallas"]["launch_config"]
   assert "launch_config" not in rows["replay-xla"]
   assert "## Memory per request and layer" in md.read_text()
+
+
+def test_verify_layers_keep_the_conventional_stack_int32_addressable():
+  from bench import verify_decode  # noqa: PLC0415
+  mamba2_super, qwen = 128 * 64 * 128, 32 * 128 * 128   # one slot's state elements
+  assert verify_decode.layers_for(mamba2_super, 256, 8, "float32", 2**30, 64) == 1   # 2**31 per layer
+  assert verify_decode.layers_for(mamba2_super, 256, 4, "float32", 2**30, 64) == 2
+  assert verify_decode.layers_for(qwen, 256, 8, "bfloat16", 2**30, 64) == 2          # not 4
+  assert verify_decode.layers_for(qwen, 32, 4, "float32", 2**30, 64) == 16
 
 
 def test_verify_memory_model_qwen35_4b():
