@@ -435,6 +435,12 @@ def itemsize(dtype) -> int:
   return jnp.dtype(dtype).itemsize
 
 
+# The benchmarks unroll their layers in the compiled step (a loop over them costs a fixed ~7.5 µs
+# per layer-step on the H200, bench/NOTES.md 53), so P bounds the compile time. At B = 1 the
+# 128 layers still touch 128 MB (GDN bf16) to 512 MB (Mamba2 f32) per step, 2-8x the 60 MB L2.
+MAX_UNROLLED_LAYERS = 128
+
+
 def addressable_layers(elements_per_layer: int) -> int:
   """How many layers' slot ranges one array may hold and stay within the int32 element offsets of
   the Pallas-Triton kernels (at least 1: one layer's own array is the op's own limit)."""

@@ -24,16 +24,18 @@ bench/harness.py, shared with bench/mamba2_decode.py):
   P = max(--min-layers, ceil(--target-bytes / state bytes of one layer's pool)), so P·pool ≥ 1 GiB
   and, like a model, at least 8 layers share each step's cursor plan and commit. Layers
   are disjoint slot ranges of one pool array (layer l uses slots l·N + s, N = B slots per layer):
-  the same memory traffic as P separate arrays, and one compiled step for any P.
-* Steps. One ``jax.jit`` runs ``n`` cycles (a dynamic ``fori_loop``) of ``L`` steps (a static loop;
-  conventional arms use ``--conv-cycle`` steps) of P layers (static loop), so dispatch and the
-  loop's host round trip are amortized. Buffers, cursor and the last output are the donated carry,
+  the same memory traffic as P separate arrays. P ≤ 128 (``common.MAX_UNROLLED_LAYERS``).
+* Steps. One ``jax.jit`` runs ``n`` cycles (a dynamic ``fori_loop``) of ``L`` steps (a
+  ``fori_loop``; conventional arms use ``--conv-cycle`` steps) of P layers, unrolled, with every
+  layer's slots and inputs made once per call outside the loops: a layer-step is its kernels alone
+  (a loop over the layers cost ~7.5 µs per layer-step, bench/NOTES.md 53), and dispatch and the
+  loops' host round trips are amortized. Buffers, cursor and the last output are the donated carry,
   threaded from call to call. Replay: one ``cursor.plan(slots)`` per step shared by all layers,
   ``cursor.commit(plan)`` after: honest full cycles, every row flushes once per L steps.
 * Data. Random, never zeros (a counter-based hash, uniform): checkpoints of std 0.1, rings
   (L2-normalised k, u of unit variance, g ~ -U(0.01, 0.5)) filled at every index; each slot starts at a staggered phase (cursor counts
   spread over [0, L-1], random bases); a bank of ``--bank`` random input sets, layer l of step t
-  reads set (t + l) mod bank. Slots are a random permutation. At least one row flushes on the
+  reads set l mod bank. Slots are a random permutation. At least one row flushes on the
   first step, so the gate always covers a flush fold.
 * Gate, before timing: the arm's first step (layer 0) vs implementation="xla" on the same inputs
   (output and written state/ring rows: max abs and relative L2 error), and the first rows' output

@@ -197,12 +197,13 @@ def cycle_bytes(family: str, buffer_len: int | None, *, inputs: float, output: f
 
 def layers_for(geo, batch: int, state_dtype: str, target_bytes: float, max_layers: int,
                min_layers: int = 2) -> int:
-  """P = max(min_layers, 2, ceil(target_bytes / one layer's state pool)), at most ``max_layers``
-  and at most what one pool array of the Triton kernels' int32 offsets holds (the layers are slot
-  ranges of one array; fewer layers there still move ≥ 2**31 elements per step)."""
+  """P = max(min_layers, 2, ceil(target_bytes / one layer's state pool)), at most ``max_layers``,
+  at most ``common.MAX_UNROLLED_LAYERS`` (the layers are unrolled in the compiled step) and at most
+  what one pool array of the Triton kernels' int32 offsets holds (the layers are slot ranges of one
+  array; fewer layers there still move ≥ 2**31 elements per step)."""
   elements = batch * math.prod(geo.state_shape)
   pool = elements * common.itemsize(state_dtype)
-  P = min(max_layers, max(min_layers, 2, math.ceil(target_bytes / pool)))
+  P = min(max_layers, common.MAX_UNROLLED_LAYERS, max(min_layers, 2, math.ceil(target_bytes / pool)))
   return int(min(P, common.addressable_layers(elements)))
 
 
@@ -273,30 +274,25 @@ def make_runner(bench: LayerBench, case: Case):
 
   def run(carry, consts, n_cycles):
     bank, params, slots = consts
-
-    def inputs(j):
-      return tuple(lax.dynamic_index_in_dim(x, j, 0, keepdims=False) for x in bank)
+    # Every layer's operands are made once per call, outside the loops, and the layers are
+    # unrolled: a layer-step is then its kernels alone, as in a model. (A lax.fori_loop over the
+    # layers, with the slot offsets and input set computed per layer, cost ~7.5 µs per layer-step
+    # on the H200: 3x the whole B = 1 kernel; bench/NOTES.md 53.)
+    sets = [tuple(x[j] for x in bank) for j in range(min(nb, P))]
+    layer_slots = [slots + l * n for l in range(P)]
 
     if arm.family == "conv":
       def step(_, c):
         pool, o, t = c
-
-        def layer(l, c2):
-          pool, o = c2
-          o, pool = op(inputs((t + l) % nb), params, pool, slots + l * n)
-          return pool, o
-        pool, o = lax.fori_loop(0, P, layer, (pool, o))
+        for l in range(P):
+          o, pool = op(sets[l % nb], params, pool, layer_slots[l])
         return pool, o, t + 1
     else:
       def step(_, c):
         bufs, cursor, o, t = c
         plan = cursor.plan(slots, flush_all=arm.flush_all)
-
-        def layer(l, c2):
-          bufs, o = c2
-          o, bufs = op(inputs((t + l) % nb), params, bufs, plan.replace(slots=slots + l * n))
-          return bufs, o
-        bufs, o = lax.fori_loop(0, P, layer, (bufs, o))
+        for l in range(P):
+          o, bufs = op(sets[l % nb], params, bufs, plan.replace(slots=layer_slots[l]))
         return bufs, cursor.commit(plan), o, t + 1
 
     def cycle(_, c):

@@ -218,24 +218,20 @@ def make_runner(setup: Setup, kind: str, impl: str):
 
   def run(carry, consts, n_cycles):
     bank, slots = consts
-    inputs = lambda j: tuple(lax.dynamic_index_in_dim(x, j, 0, keepdims=False) for x in bank)
+    # Operands made once per call and the layers unrolled, as in bench/harness.make_runner.
+    sets = [tuple(x[j] for x in bank) for j in range(min(nb, P))]
+    layer_slots = [slots + l * B for l in range(P)]
 
     def step(_, c):
       buf, meta, o, s = c
       accepted = _accepted(s, B, t)
       if kind == "conv":
-        def layer(l, c2):
-          o, stack = f.conventional(inputs((s + l) % nb), c2[0], slots + l * B, meta, impl)
-          return stack, o
-        buf, o = lax.fori_loop(0, P, layer, (buf, o))
+        for l in range(P):
+          o, buf = f.conventional(sets[l % nb], buf, layer_slots[l], meta, impl)
         return buf, accepted - 1, o, s + 1
       plan = meta.plan(slots, num_tokens=t)
-
-      def layer(l, c2):
-        o, bufs = f.replay(inputs((s + l) % nb), c2[0], plan.replace(slots=slots + l * B), impl,
-                           setup.knobs)
-        return bufs, o
-      buf, o = lax.fori_loop(0, P, layer, (buf, o))
+      for l in range(P):
+        o, buf = f.replay(sets[l % nb], buf, plan.replace(slots=layer_slots[l]), impl, setup.knobs)
       return buf, meta.commit(plan, accepted), o, s + 1
 
     return lax.fori_loop(0, n_cycles, lambda _, c: lax.fori_loop(0, setup.cycle_steps, step, c), carry)
@@ -380,11 +376,12 @@ def parse_args(argv):
 
 def layers_for(state_elements: int, batch: int, num_tokens: int, state_dtype: str,
                target_bytes: float, max_layers: int) -> int:
-  """P = max(2, ceil(target_bytes / one layer's state pool)), at most ``max_layers`` and at most
+  """P = max(2, ceil(target_bytes / one layer's state pool)), at most ``max_layers``, at most
+  ``common.MAX_UNROLLED_LAYERS`` (the layers are unrolled) and at most
   what one array of the conventional arm's stacks (T states per slot, the largest array) holds
   within the Triton kernels' int32 element offsets."""
   pool = batch * state_elements * common.itemsize(state_dtype)
-  P = min(max_layers, max(2, math.ceil(target_bytes / pool)))
+  P = min(max_layers, common.MAX_UNROLLED_LAYERS, max(2, math.ceil(target_bytes / pool)))
   return int(min(P, common.addressable_layers(batch * num_tokens * state_elements)))
 
 

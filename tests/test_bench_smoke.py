@@ -5,6 +5,8 @@ cursor checks, and that a wrong kernel fails the gate and gets no speedup.
 """
 import json
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -105,9 +107,11 @@ def test_bytes_model_qwen35_4b():
   rep = gdn_decode.bytes_model(geo, "replay", 16, "float32", "bfloat16", "bfloat16")
   assert rep["total"] == pytest.approx(io + state * (1 + 1 / 16) + entry * (15 / 2 + 1))
   assert rep["total"] / conv["total"] == pytest.approx(0.559, abs=1e-3)
-  # P·pool >= 1 GiB, P >= 2.
+  # P·pool >= 1 GiB, P >= 2, P <= the unrolled-layer cap.
   assert harness.layers_for(geo, 512, "float32", 2**30, 4096) == 2
-  assert harness.layers_for(geo, 1, "bfloat16", 2**30, 4096) == 1024
+  assert harness.layers_for(geo, 16, "bfloat16", 2**30, 4096) == 64
+  assert harness.layers_for(geo, 4, "bfloat16", 2**30, 4096) == 128                # 256 uncapped
+  assert harness.layers_for(geo, 1, "bfloat16", 2**30, 4096) == common.MAX_UNROLLED_LAYERS == 128
 
 
 def test_launch_config_strings():
@@ -469,3 +473,28 @@ def test_peer_fla_compare_and_skip(monkeypatch):
     raise ImportError("fla (fla-core) is not importable (test)")
   monkeypatch.setattr(peer_fla, "load_peer", missing)
   assert "fla" in peer_fla.main(["--batches", "2"])["skipped"]
+
+
+def _loops(jaxpr) -> int:
+  """Loop equations (``while``, and ``scan``: a fori_loop with static bounds) in a jaxpr, nested
+  ones included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name in ("while", "scan")
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += _loops(sub)
+  return n
+
+
+@pytest.mark.parametrize("arm", ["conv-xla", "replay-xla"])
+def test_runner_unrolls_the_layers(arm):
+  """The timed program loops over cycles and steps only: the P layers are unrolled, each with its
+  operands made outside the loops (a loop over layers cost ~7.5 µs per layer-step on the H200)."""
+  bench = gdn_decode.BENCH
+  setup = harness.Setup(geo=bench.smoke_geometry, family=harness.ARMS[arm].family, batch=2,
+                        layers=5, buffer_len=4, state_dtype="float32", ring_dtype="float32",
+                        act_dtype="float32", bank=2, seed=0)
+  case = harness.Case(harness.ARMS[arm], harness._DEFAULT, setup)
+  carry, consts = harness.abstract_state(bench, setup)
+  jaxpr = jax.make_jaxpr(harness.make_runner(bench, case))(carry, consts, 1)
+  assert _loops(jaxpr.jaxpr) == 2
