@@ -211,14 +211,13 @@ def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int, family: 
     return 0   # CPU: no policy (nothing is bandwidth-bound in interpret mode or XLA on CPU)
   # f16 shares bf16's bytes and kernels (unmeasured separately).
   if family == "gdn":
-    del buffer_len   # measured at L = 16 only (the default)
-    # H200 2026-11-29, Qwen3.5-4B layer, L = 16, bf16 ring, per layer-step vs conv-pallas in the
-    # same run (bench/RESULTS.md, session 4): f32 state: replay 0.55x / 0.77x / 1.06x / 1.28x at
-    # B = 1 / 8 / 32 / 128; flush-every-step 0.97x / 0.98x / 0.97x at B = 8 / 32 / 128 and equal to
-    # conventional at B = 1 → switch below 32.
-    # bf16 state: replay 0.59x / 0.65x / 0.88x / 1.05x; flush-every-step 0.94x / 1.00x / 0.99x at
-    # B = 8 / 32 / 128 → below 128.
-    return 32 if _is_f32(state_dtype) else 128
+    del buffer_len, state_dtype   # measured at L = 16 only (the default)
+    # H200 2026-11-30, Qwen3.5-4B layer, L = 16, bf16 ring, per layer-step vs conv-pallas in the
+    # same run, layers unrolled (bench/RESULTS.md, session 10): f32 state: replay 0.34x / 0.78x /
+    # 1.23x / 1.43x at B = 1 / 8 / 32 / 128; flush-every-step 1.13x / 1.00x / 0.98x / 0.97x.
+    # bf16 state: replay 0.34x / 0.53x / 1.02x / 1.14x; flush-every-step 0.97x / 0.82x / 0.96x /
+    # 0.96x → both switch below 32.
+    return 32
   # Mamba2, H200 2026-11-29, Nemotron-3-Super layer, bf16 ring, vs conv-pallas in the same run;
   # flush-every-step 0.96-1.00x at B = 1-128 (both dtypes, L = 8).
   # f32 state, L <= 8 (the auto route: reconstruct for B = 8-128): replay 0.76x / 0.98x / 1.09x /
@@ -227,6 +226,9 @@ def replay_min_batch(*, device_kind: str, state_dtype, buffer_len: int, family: 
   # bf16 state, output-only (the auto route), session 7 matrix: L = 8 / 16 replay 0.83x / 0.86x at
   # B = 32, 1.05x / 1.03x at B = 128; L = 4 0.99x at B = 128, 1.06x at 256 → below 128 for L ≥ 8,
   # else below 256.
+  # Re-measured with the layers unrolled (session 10, L = 8): f32 flush-every-step 0.93x / 0.99x /
+  # 1.01x at B = 1 / 32 / 256 against output-only 0.61x / 1.04x / 1.34x; bf16 1.00x / 1.00x /
+  # 1.00x against 0.62x / 0.88x / 1.16x. The thresholds stand; at B = 1, f32, the policy is 0.93x.
   if _is_f32(state_dtype):
     return 32 if buffer_len <= 8 else 256
   return 128 if buffer_len >= 8 else 256
