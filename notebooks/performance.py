@@ -96,10 +96,9 @@ print(f"{len(rows)} timed rows from {len(files)} file(s)")
 # %%
 ALL_RUNS = False
 CURRENT = {
-    "batch": {   # speed-up and effective bandwidth vs batch
-        "gdn_decode_2026-11-29_s4_small_batch": "GDN decode B = 1-128, L = 16: output-only and the fold-and-step kernel",
-        "gdn_decode_2026-11-29_s5_reconstruct": "GDN decode B = 32-256, L = 16: output-only vs the one-launch reconstruct route",
-        "mamba2_decode_2026-11-29_s6_matrix_f32": "Mamba2 decode B = 1-512, L = 4/8, f32: Triton routes (fold pass) and Mosaic reconstruct",
+    "batch": {   # speed-up and effective bandwidth vs batch (layers unrolled: session 10 on)
+        "gdn_decode_2026-11-30_s10_matrix": "GDN decode B = 1-512, L = 16, f32 and bf16: output-only and the fold-and-step kernel",
+        "mamba2_decode_2026-11-30_s10_matrix": "Mamba2 decode B = 1/32/256, L = 8, f32 and bf16: output-only, Mosaic reconstruct, fold-and-step",
         "model_decode_2026-11-29_s4_policy": "model step (8 GDN layers + MLP), small-batch policy on and off",
     },
     "L": {       # the only L sweeps (session 1-2 kernels)
@@ -109,9 +108,12 @@ CURRENT = {
     },
     "T": {       # speculative verify
         "verify_gdn_2026-11-29_s5_routes": "GDN B = 256, every route; plain replay-pallas = output-only (the default before 164bf10)",
-        "verify_mamba2_2026-11-29_s5_matrix": "Mamba2, the default (reconstruct) route, B = 1-256",
+        "verify_mamba2_2026-11-29_s5_matrix": "Mamba2, the default (reconstruct) route, B = 1-256 (its T = 8, B = 256 baseline is invalid: bench/NOTES.md 50)",
         "verify_gdn_2026-11-29_s6_L8": "GDN B = 256 with L = 8 (the L = 2T rule), T = 2/4",
         "verify_mamba2_2026-11-29_s6_L8": "Mamba2 B = 256 with L = 8, T = 2/4",
+        "verify_gdn_2026-11-30_s10_T4": "GDN B = 256, L = 8, T = 4: Mosaic (the default) and Triton, layers unrolled",
+        "verify_mamba2_2026-11-30_s10_T4": "Mamba2 B = 256, L = 8, T = 4: Mosaic (the default) and Triton, layers unrolled",
+        "verify_mamba2_2026-11-30_s10_T8": "Mamba2 B = 256, L = 8, T = 8, re-measured with an addressable baseline",
     },
 }
 
