@@ -79,19 +79,30 @@ def _is_f32(state_dtype) -> bool:
 def decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
                   batch: int) -> KernelConfig:
   """Conventional decode, grid (V/BV, Hv, B), state tile [BV, K]."""
-  del head_k_dim, batch
+  del head_k_dim
   if _is_cpu(device_kind):
     # Interpret mode: speed is irrelevant; small tiles make CPU tests cover the multi-tile indexing.
     cfg = KernelConfig(block_v=16, num_warps=4)
+  elif _is_f32(state_dtype) and batch <= SMALL_TILE_MAX_BATCH:
+    # H200 2026-11-30, layers unrolled (bench/RESULTS.md session 10, tile sweep): [8, K]/1 warp
+    # 0.0032 / 0.0106 / 0.0374 ms at B = 1 / 8 / 32 against [16, K]/2 0.0037 / 0.0112 / 0.0379:
+    # at small batch more, smaller programs hide the load latency.
+    cfg = KernelConfig(block_v=8, num_warps=1)
   elif _is_f32(state_dtype):
     # H200 sweep 2026-11-29, B=256: BV=16/2 warps 0.297 ms (87 % of the copy ceiling); BV=8/1,
     # 32/4 within 1 %; BV=128/8 0.309 ms; BV=64/2 0.319 ms.
     cfg = KernelConfig(block_v=16, num_warps=2)
   else:
     # H200 sweep 2026-11-29, bf16 state, B=256: BV=32/4 warps 0.160 ms (82 %); BV=16/1-2 and
-    # 8/1 within 2 %; BV=32/1 0.192 ms.
+    # 8/1 within 2 %; BV=32/1 0.192 ms. Session 10 (B = 1 / 8 / 32): [32, K]/4 0.0028 / 0.0063 /
+    # 0.0206 ms, [16, K]/2 equal, [8, K]/1 0.0031 / 0.0077 / 0.0213.
     cfg = KernelConfig(block_v=32, num_warps=4)
   return cfg.fit(head_v_dim)
+
+
+# At and below this batch the conventional and flush-every-step kernels take the small-batch tiles
+# of the session-10 sweep (B = 1, 8, 32 measured; above, the B = 256 tiles).
+SMALL_TILE_MAX_BATCH = 32
 
 
 def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
@@ -133,12 +144,14 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
 
 
 def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
-                        ring_size: int) -> KernelConfig:
+                        ring_size: int, batch: int) -> KernelConfig:
   """Fold-and-step kernel of ``plan.flush_all`` steps, grid (V/BV, Hv, B), tile [BV, K]."""
   if _is_cpu(device_kind):
     return decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
-                         head_v_dim=head_v_dim, batch=0)
-  if _is_f32(state_dtype) or ring_size >= 32:
+                         head_v_dim=head_v_dim, batch=batch)
+  if _is_f32(state_dtype) or ring_size >= 32 or batch <= SMALL_TILE_MAX_BATCH:
+    # (bf16 at small batch, session 10, L = 16: [8, K]/1 0.0027 / 0.0072 / 0.0218 ms at B = 1 / 8 /
+    # 32 against the decode tile's 0.0029 / 0.0077 / 0.0217.)
     # The kernel's registers are set by its fold branch (an IEEE dot over R ring entries), which
     # steady-state steps never run; the smallest tile keeps the empty-window branch at the
     # conventional decode's speed. H200 2026-11-29, f32, L = 16 (R = 16), vs conv-pallas in the
@@ -146,10 +159,10 @@ def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_
     # bf16 tile 0.89-0.91x. At R = 32 (L = 32) [8, K]/1 0.050 ms vs [16, K]/4 0.069 ms at B = 32
     # (f32); bf16 at R = 32 was timed at B = 1 only (all tiles within 2 %).
     return KernelConfig(block_v=8, num_warps=1).fit(head_v_dim)
-  # bf16/f16 state, R = 16: the conventional decode's tile [32, K]/4 warps 0.94x / 1.00x / 0.99x at
-  # B = 8 / 32 / 128 (H200 2026-11-29); [8, K]/1 0.96x / 0.98x / 0.94x, [16, K]/2 0.92-0.98x.
+  # bf16/f16 state, R = 16, larger batches: the conventional decode's tile [32, K]/4 warps 0.99x at
+  # B = 128 (H200 2026-11-29, layer loop); [8, K]/1 0.94x, [16, K]/2 0.92-0.98x.
   return decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
-                       head_v_dim=head_v_dim, batch=0)
+                       head_v_dim=head_v_dim, batch=batch)
 
 
 def verify_implementations(*, device_kind: str, family: str, state_dtype, num_tokens: int,
@@ -345,10 +358,15 @@ def _mamba2_fold(device_kind: str, head_dim: int, state_dim: int, ring_size: int
 def mamba2_decode_config(*, device_kind: str, state_dtype, head_dim: int, state_dim: int,
                          batch: int) -> Mamba2Config:
   """Conventional Mamba2 decode, grid (P/BP, H, B), state tile [BP, N]."""
-  del batch
   if _is_cpu(device_kind):
     # Interpret mode: speed is irrelevant; two P tiles per head cover the tile indexing.
     cfg = Mamba2Config(block_p=_half_pow2(head_dim), num_warps=4)
+  elif batch <= SMALL_TILE_MAX_BATCH:
+    # H200 2026-11-30, Nemotron-3-Super layer, layers unrolled (session 10, tile sweep), B = 1 / 8 /
+    # 32: f32 [16, N]/1 warp 0.0045 / 0.0197 / 0.0725 ms against [16, N]/2 0.0047 / 0.0201 / 0.0732
+    # ([8, N]/1 0.0048 / 0.0204 / 0.0724); bf16 [8, N]/1 0.0033 / 0.0120 / 0.0399 against
+    # [32, N]/4 0.0036 / 0.0124 / 0.0405.
+    cfg = Mamba2Config(block_p=16 if _is_f32(state_dtype) else 8, num_warps=1)
   elif _is_f32(state_dtype):
     # *untuned*: the GDN f32 optimum (tile [16, 128] in 2 warps, 87 % of the copy ceiling).
     cfg = Mamba2Config(block_p=16, num_warps=2)
@@ -402,11 +420,14 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
 
 
 def mamba2_flush_decode_config(*, device_kind: str, state_dtype, head_dim: int,
-                               state_dim: int) -> Mamba2Config:
+                               state_dim: int, batch: int) -> Mamba2Config:
   """Fold-and-step kernel of ``plan.flush_all`` steps, grid (P/BP, H, B), tile [BP, N]; block_n is
   the chunk of the (rarely taken) window-rebuild branch."""
+  # The conventional decode's tile, small-batch tiles included (session 10, L = 8, B = 1 / 8 / 32:
+  # f32 [16, N]/1 0.0044 / 0.0204 / 0.0742 ms against [16, N]/2 0.0050 / 0.0204 / 0.0750; bf16
+  # [8, N]/1 0.0034 / 0.0121 / 0.0403 against [32, N]/4 0.0036 / 0.0125 / 0.0401).
   cfg = mamba2_decode_config(device_kind=device_kind, state_dtype=state_dtype, head_dim=head_dim,
-                             state_dim=state_dim, batch=0)
+                             state_dim=state_dim, batch=batch)
   if _is_cpu(device_kind):
     # Interpret mode: two N chunks cover the rebuild's chunk indexing.
     return cfg.override(block_n=_half_pow2(state_dim)).fit(head_dim, state_dim)

@@ -419,7 +419,7 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
     common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
     cfg = config_lib.flush_decode_config(device_kind=common.device_kind(), state_dtype=bufs.state.dtype,
                                          head_k_dim=bufs.head_k_dim, head_v_dim=bufs.head_v_dim,
-                                         ring_size=bufs.ring_size)
+                                         ring_size=bufs.ring_size, batch=q.shape[0])
     cfg = _knobs(op, cfg, bufs.head_v_dim, None, block_v=block_v, num_warps=num_warps,
                  num_stages=num_stages)
     return _flush_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,

@@ -405,7 +405,8 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
     # Every row flushes: one pass like the conventional decode (the routes differ only in how
     # they read S; ``heads`` has no meaning for this grid).
     cfg = config_lib.mamba2_flush_decode_config(device_kind=common.device_kind(),
-                                                state_dtype=bufs.state.dtype, head_dim=p, state_dim=n)
+                                                state_dtype=bufs.state.dtype, head_dim=p, state_dim=n,
+                                                batch=x.shape[0])
     cfg = _fit(op, cfg, p, n, block_p=block_p, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages)
     return _flush_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
