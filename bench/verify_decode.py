@@ -16,7 +16,8 @@ float32, ring in ``--ring-dtype`` (bf16).
 
 Method (bench/gdn_decode.py, DESIGN §8): one ``jax.jit`` runs n cycles (``lax.fori_loop``) of
 ``--cycle-steps`` honest steps of P layers (each with its own buffers, disjoint slot ranges of one
-pool, P·pool ≥ ``--target-bytes`` so the state is far out of L2); carry donated.
+pool, P·pool ≥ ``--target-bytes`` so the state is far out of L2, P ≤ 128); the layers are unrolled
+with their slots and inputs made once per call, as in bench/harness.py; carry donated.
 * replay step: ``plan = cursor.plan(slots, num_tokens=T)`` → every layer ``replay_verify`` →
   ``cursor.commit(plan, accepted)`` with accepted counts uniform in [1, T] (a counter hash of step
   and row), so windows grow at the natural rate and rows flush when ``count + T > L - 1``.
