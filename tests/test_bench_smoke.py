@@ -475,20 +475,21 @@ def test_peer_fla_compare_and_skip(monkeypatch):
   assert "fla" in peer_fla.main(["--batches", "2"])["skipped"]
 
 
-def _loops(jaxpr) -> int:
-  """Loop equations (``while``, and ``scan``: a fori_loop with static bounds) in a jaxpr, nested
+def _scan_lengths(jaxpr) -> list[int]:
+  """Trip counts of the static loops (``scan``: a fori_loop with static bounds) in a jaxpr, nested
   ones included."""
-  n = 0
+  out = []
   for eqn in jaxpr.eqns:
-    n += eqn.primitive.name in ("while", "scan")
+    if eqn.primitive.name == "scan":
+      out.append(eqn.params["length"])
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      n += _loops(sub)
-  return n
+      out += _scan_lengths(sub)
+  return out
 
 
 @pytest.mark.parametrize("arm", ["conv-xla", "replay-xla"])
 def test_runner_unrolls_the_layers(arm):
-  """The timed program loops over cycles and steps only: the P layers are unrolled, each with its
+  """No loop of the timed program runs over the P = 5 layers: they are unrolled, each with its
   operands made outside the loops (a loop over layers cost ~7.5 µs per layer-step on the H200)."""
   bench = gdn_decode.BENCH
   setup = harness.Setup(geo=bench.smoke_geometry, family=harness.ARMS[arm].family, batch=2,
@@ -497,4 +498,18 @@ def test_runner_unrolls_the_layers(arm):
   case = harness.Case(harness.ARMS[arm], harness._DEFAULT, setup)
   carry, consts = harness.abstract_state(bench, setup)
   jaxpr = jax.make_jaxpr(harness.make_runner(bench, case))(carry, consts, 1)
-  assert _loops(jaxpr.jaxpr) == 2
+  lengths = _scan_lengths(jaxpr.jaxpr)
+  assert setup.cycle_steps in lengths and setup.layers not in lengths
+
+
+@pytest.mark.parametrize("kind", ["conv", "replay"])
+def test_verify_runner_unrolls_the_layers(kind):
+  """bench.verify_decode's timed program has no loop over its P = 5 layers, as the layer harness."""
+  from bench import verify_decode  # noqa: PLC0415
+  setup = verify_decode.Setup(family=verify_decode.SMOKE["gdn"], batch=2, num_tokens=2, buffer_len=4,
+                              layers=5, state_dtype="float32", ring_dtype="float32",
+                              act_dtype="float32", bank=2, cycle_steps=2, seed=0)
+  carry, consts = jax.eval_shape(lambda: verify_decode.init(setup, kind))
+  jaxpr = jax.make_jaxpr(verify_decode.make_runner(setup, kind, "xla"))(carry, consts, 1)
+  lengths = _scan_lengths(jaxpr.jaxpr)
+  assert setup.cycle_steps in lengths and setup.layers not in lengths
