@@ -101,7 +101,9 @@ CURRENT = {
         "mamba2_decode_2026-11-30_s10_matrix": "Mamba2 decode B = 1/32/256, L = 8, f32 and bf16: output-only, Mosaic reconstruct, fold-and-step",
         "model_decode_2026-11-29_s4_policy": "model step (8 GDN layers + MLP), small-batch policy on and off",
     },
-    "L": {       # the only L sweeps (session 1-2 kernels)
+    "L": {       # L sweeps: session 10 (layers unrolled) and sessions 1-3 (layer loop, older kernels)
+        "gdn_decode_2026-11-30_s10_L8_L32": "GDN decode, L = 8/32 at B = 256, layers unrolled (L = 16: the batch matrix)",
+        "gdn_decode_2026-11-30_s10_matrix": "GDN decode, L = 16, B = 1-512, layers unrolled",
         "gdn_decode_2026-11-29_run7": "GDN decode, L = 8/16/32 at B = 256/512",
         "gdn_decode_2026-11-29_s3_L32": "GDN decode, L = 16/32 at B = 256 after the R = 32 fold tile",
         "mamba2_decode_2026-11-29_run1": "Mamba2 decode, L = 4/8/16 at B = 256",
