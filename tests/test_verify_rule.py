@@ -16,7 +16,10 @@ H200 = "NVIDIA H200"
     ("gdn", jnp.float32, 4, 32, ("pallas_mosaic",)),
     ("gdn", jnp.float32, 8, 256, ("pallas_mosaic",)),
     ("gdn", jnp.float32, 2, 256, ()),            # a tie at T = 2: Triton stays first
-    ("gdn", jnp.float32, 4, 8, ()),              # below B = 32: unmeasured
+    ("gdn", jnp.float32, 4, 8, ("pallas_mosaic",)),   # B = 1 and 8 measured in session 11
+    ("gdn", jnp.float32, 8, 1, ("pallas_mosaic",)),
+    ("gdn", jnp.float32, 2, 1, ()),
+    ("mamba2", jnp.float32, 4, 1, ("pallas_mosaic",)),
     ("gdn", jnp.bfloat16, 4, 128, ()),           # bf16 measured at B = 256 only
     ("gdn", jnp.bfloat16, 4, 256, ("pallas_mosaic",)),
     ("mamba2", jnp.float32, 2, 32, ("pallas_mosaic",)),
