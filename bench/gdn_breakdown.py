@@ -150,7 +150,7 @@ def main(argv=None):
       flush = (count == L - 1) if flush_every else jnp.zeros_like(count, bool)
       plan = rs.ReplayPlan(slots=slots, base=base, count=count, flush=flush, num_tokens=1,
                            buffer_len=L, ring_size=cursor.ring_size)
-      return gdn_triton._replay_decode(*xs, b, plan, scale=scale, route=cfg.route, cfg=cfg,
+      return gdn_triton._replay_decode(*xs, b, plan, scale=scale, cfg=cfg,
                                        interpret=INTERPRET)[1]
     return fn
 
@@ -161,7 +161,7 @@ def main(argv=None):
       return b.replace(state=fold_triton.fold(
           b.state, b.ring_k, b.ring_u, b.ring_g, slots, base, jnp.where(flush, L, 0), rows,
           jnp.sum(flush), cfg=cfg.fold, row_slots=cfg.fold_rows, interpret=INTERPRET,
-          into_checkpoint=True, name="replayssm_gdn_fold"))
+          into_checkpoint=True, name="replayssm_gdn_fold", tiles_per_program=cfg.fold_tiles))
     return fn
 
   def conventional(b, slots):
@@ -174,8 +174,10 @@ def main(argv=None):
                     ("fold pass only, no active row", fold(False)),
                     ("conventional decode", conventional)):
     _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows)
-  print(f"\nB={B} L={L} state={sdt} P={P} step config {cfg.step} fold {cfg.fold} route {cfg.route}")
+  print(f"\nB={B} L={L} state={sdt} P={P} step config {cfg.step} fold {cfg.fold} "
+        f"({cfg.fold_tiles} tiles per program) route {cfg.route}")
   print(common.render_table(["pass", "ms/layer-step", "p20-p80"], rows))
+  return rows
 
 
 if __name__ == "__main__":

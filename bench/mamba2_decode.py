@@ -132,6 +132,9 @@ def layer_op(case: harness.Case):
   arm, cfg = case.arm, case.cfg
   if arm.impl == "pallas_triton" and not (cfg.is_default and case.heads is None):
     from replayssm_jax.pallas import mamba2_triton  # noqa: PLC0415
+    unknown = sorted(set(cfg.kwargs()) - set(_KNOBS))
+    if unknown:
+      raise ValueError(f"--configs {cfg.name!r}: {unknown} have no Mamba2 kernel knob")
     kw = {_KNOBS[k]: v for k, v in cfg.kwargs(_KNOBS).items()}
     if arm.family == "conv":  # one [BP, N] tile: no rebuild chunk, no fold pass
       kw = {k: v for k, v in kw.items() if k in ("block_p", "num_warps", "num_stages")}

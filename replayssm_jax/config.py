@@ -51,17 +51,22 @@ class KernelConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
   """The replay step kernel, its compute route for route="auto", and the flush-fold pass with
-  ``fold_rows`` row slots (its grid's third axis; flushing rows beyond that loop)."""
+  ``fold_rows`` row slots (its grid's third axis; flushing rows beyond that loop) and
+  ``fold_tiles`` [BV, BK] tiles per program (a row's window and decays are loaded once for them)."""
   step: KernelConfig
   route: str
   fold: KernelConfig
   fold_rows: int = 1
+  fold_tiles: int = 1
 
   def __post_init__(self):
     if self.route not in ROUTES:
       raise ValueError(f"route={self.route!r}; expected one of {ROUTES}")
     if not isinstance(self.fold_rows, int) or self.fold_rows < 1:
       raise ValueError(f"fold_rows={self.fold_rows!r}; expected an int >= 1")
+    if not _pow2(self.fold_tiles):
+      raise ValueError(f"fold_tiles={self.fold_tiles!r}; expected a power of two (tiles of a head "
+                       f"split evenly between programs)")
 
 
 def _next_pow2(n: int) -> int:
@@ -133,6 +138,15 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   # tiles so the tests cover the tile indexing.
   fold = _fold_tile(device_kind, head_k_dim, ring_size)
   fold_rows = _decode_fold_rows(batch, buffer_len)
+  if _is_cpu(device_kind):
+    fold_tiles = 2   # interpret mode: two tiles per program cover the kernel's tile loop
+  elif _is_f32(state_dtype):
+    # H200 2026-11-30 (bench/RESULTS.md, session 11), B=256, L=16, full cycles, one run per value:
+    # 1 / 2 / 4 / 8 tiles per program 0.1861 / 0.1842 / 0.1895 / 0.1844 ms.
+    fold_tiles = 2
+  else:
+    # Same run, bf16 state: 0.1205 / 0.1200 / 0.1166 / 0.1210 ms.
+    fold_tiles = 4
   if route == "reconstruct":
     # The conventional decode's [BV, K] tile (the kernel is that step plus a window replay into the
     # tile). H200 B=256 L=16 f32: [8, K] in 1 warp is faster (0.313 vs 0.360 ms) but the route
@@ -140,7 +154,7 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
     step = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                          head_v_dim=head_v_dim, batch=batch).fit(head_v_dim, head_k_dim)
   return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim, head_k_dim),
-                      fold_rows=fold_rows)
+                      fold_rows=fold_rows, fold_tiles=fold_tiles)
 
 
 def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,

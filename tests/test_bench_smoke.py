@@ -116,9 +116,9 @@ def test_bytes_model_qwen35_4b():
 
 def test_launch_config_strings():
   assert common.parse_config("default").is_default
-  cfg = common.parse_config("bv64w4s2fbv32fw2")
+  cfg = common.parse_config("bv64w4s2fbv32fw2ft4")
   assert cfg.kwargs() == {"block_v": 64, "num_warps": 4, "num_stages": 2, "fold_block_v": 32,
-                          "fold_num_warps": 2}
+                          "fold_num_warps": 2, "fold_tiles": 4}
   with pytest.raises(ValueError, match="launch config"):
     common.parse_config("bv64x")
 
@@ -513,3 +513,11 @@ def test_verify_runner_unrolls_the_layers(kind):
   jaxpr = jax.make_jaxpr(verify_decode.make_runner(setup, kind, "xla"))(carry, consts, 1)
   lengths = _scan_lengths(jaxpr.jaxpr)
   assert setup.cycle_steps in lengths and setup.layers not in lengths
+
+
+def test_gdn_breakdown_runs_each_pass():
+  """bench.gdn_breakdown calls kernel internals (the step and fold launches on their own), so it
+  breaks silently when their signatures move: run it once on CPU, interpreted."""
+  from bench import gdn_breakdown  # noqa: PLC0415
+  rows = gdn_breakdown.main(["--batch", "2", "--buffer-len", "2", "--layers", "1", "--config", "ft2"])
+  assert len(rows) == 5 and all(float(r[1]) > 0 for r in rows)

@@ -189,6 +189,41 @@ def test_knobs_change_tiling_not_results():
   assert np.array_equal(np.asarray(p1), np.asarray(p2))
 
 
+def test_fold_tiles_change_the_fold_grid_not_results():
+  """The fold pass with 1, 2 (the CPU default) or all 4 of a head's [16, 8] tiles per program (64
+  asks for more: clipped to 4) stores bitwise the same checkpoints, natural flushes of full
+  windows included; a fold_tiles that does not split a head's tiles evenly is refused."""
+  rng = np.random.default_rng(12)
+  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)
+  first = _poisoned_buffers(cursor, jnp.float32, _initial_states(rng, jnp.float32))
+  runs = {n: first for n in (None, 1, 64)}
+  flushed = 0
+  for t in range(7):
+    plan = cursor.plan(_slots_at(t))
+    flushed += int(np.sum(np.asarray(plan.flush)))
+    args = make_gdn_step(rng, len(SLOTS), HK, HV, K, V).as_jax()
+    for n, bufs in runs.items():
+      _, runs[n] = gdn_triton.replay_decode(*args, bufs, plan, scale=K ** -0.5,
+                                            route="output_only", fold_tiles=n)
+    cursor = cursor.commit(plan)
+  assert flushed >= 3
+  for n in (1, 64):
+    for a, b in zip(jax.tree.leaves(runs[None]), jax.tree.leaves(runs[n])):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"fold_tiles={n}"
+  with pytest.raises(ValueError, match="fold_tiles=3"):
+    gdn_triton.replay_decode(*args, first, cursor.plan(_slots_at(0)), scale=K ** -0.5,
+                             fold_tiles=3)
+
+
+def test_fold_tiles_defaults():
+  """H200: two tiles per fold program for f32 state, four for bf16 (session 11's sweep)."""
+  from replayssm_jax import config   # noqa: PLC0415
+  kw = dict(device_kind="NVIDIA H200", head_k_dim=128, head_v_dim=128, num_k_heads=16, batch=256,
+            buffer_len=16, ring_size=16)
+  assert config.replay_config(state_dtype=jnp.float32, **kw).fold_tiles == 2
+  assert config.replay_config(state_dtype=jnp.bfloat16, **kw).fold_tiles == 4
+
+
 def test_the_pallas_kernels_run():
   """implementation="pallas_triton" really traces our pallas_calls (and XLA does not)."""
   rng = np.random.default_rng(0)

@@ -84,19 +84,23 @@ def _window_product(A, K, key_dtype):
 
 def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_ref, ring_k_ref,
                  ring_u_ref, ring_g_ref, out_ref, *, group, block_v, block_k, ring_size, row_slots,
-                 into_checkpoint):
+                 into_checkpoint, tiles_per_program):
   """out = e^G S_c + Σ_j w_j u_j k_jᵀ over ``length`` entries from ``base``, for listed rows.
 
-  Grid (V/BV · K/BK, H, row_slots): program (tile, h, z) folds the [BV, BK] tile of batch rows
-  ``rows[z], rows[z + row_slots], …`` below ``num_rows`` (the flushing rows, compacted, so the grid
-  is sized for the rows that work rather than the batch). into_checkpoint: out is the (aliased)
-  checkpoint, indexed by slot. Otherwise out is a fresh [B, H, V, K] f32 array indexed by row;
-  padding rows get zeros.
+  Grid (V/BV · K/BK / tiles_per_program, H, row_slots): program (t, h, z) folds
+  ``tiles_per_program`` [BV, BK] tiles of batch rows ``rows[z], rows[z + row_slots], …`` below
+  ``num_rows`` (the flushing rows, compacted, so the grid is sized for the rows that work rather
+  than the batch); the row's slot, window and decays are loaded once for all its tiles.
+  into_checkpoint: out is the (aliased) checkpoint, indexed by slot. Otherwise out is a fresh
+  [B, H, V, K] f32 array indexed by row; padding rows get zeros.
   """
-  t, h, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  t0, h, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   num_k_tiles = state_ref.shape[-1] // block_k
-  tile = pl.ds((t // num_k_tiles) * block_v, block_v)
-  tile_k = pl.ds((t % num_k_tiles) * block_k, block_k)
+  tiles = []   # (rows, columns) of this program's tiles
+  for j in range(tiles_per_program):
+    t = t0 * tiles_per_program + j
+    tiles.append((pl.ds((t // num_k_tiles) * block_v, block_v),
+                  pl.ds((t % num_k_tiles) * block_k, block_k)))
   hk = h // group
 
   def fold_row(i, carry):
@@ -109,15 +113,18 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_
       _, inside = window_offsets((ring_size,), base, length, ring_size)
       rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
       w, total = window_decays(rg, base, length, ring_size)
-      S = accumulate_window(jnp.exp(total) * state_ref[s, h, tile, tile_k].astype(f32), w, inside,
-                            lambda rows: ring_k_ref.at[s, hk, rows, tile_k],
-                            lambda rows: ring_u_ref.at[s, h, rows, tile], ring_size)
-      out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)
+      decay = jnp.exp(total)
+      for tile, tile_k in tiles:
+        S = accumulate_window(decay * state_ref[s, h, tile, tile_k].astype(f32), w, inside,
+                              lambda rows, tile_k=tile_k: ring_k_ref.at[s, hk, rows, tile_k],
+                              lambda rows, tile=tile: ring_u_ref.at[s, h, rows, tile], ring_size)
+        out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)
 
     if not into_checkpoint:
       @pl.when(s < 0)
       def _():
-        out_ref[b, h, tile, tile_k] = jnp.zeros((block_v, block_k), out_ref.dtype)
+        for tile, tile_k in tiles:
+          out_ref[b, h, tile, tile_k] = jnp.zeros((block_v, block_k), out_ref.dtype)
     return carry
 
   # Rows z, z + row_slots, … below num_rows: ceil((num_rows - z) / row_slots) of them (≤ 0: none).
@@ -125,14 +132,17 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_
 
 
 def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, cfg, row_slots,
-         interpret, into_checkpoint, name):
+         interpret, into_checkpoint, name, tiles_per_program=1):
   """The fold kernel over ``rows[:num_rows]`` of the batch: into the checkpoint ``state`` (aliased)
-  or into a fresh f32 array [B, H, V, K]. ``cfg`` a KernelConfig: the [block_v, block_k] tile."""
+  or into a fresh f32 array [B, H, V, K]. ``cfg`` a KernelConfig: the [block_v, block_k] tile;
+  ``tiles_per_program`` (a power of two) of them per program, at most all of a head's."""
   _, h, vd, kd = state.shape
   batch = slots.shape[0]
+  tiles = (vd // cfg.block_v) * (kd // cfg.block_k)
+  tiles_per_program = min(tiles_per_program, tiles)   # powers of two: it divides ``tiles``
   kernel = functools.partial(_fold_kernel, group=h // ring_k.shape[1], block_v=cfg.block_v,
                              block_k=cfg.block_k, ring_size=ring_g.shape[-1], row_slots=row_slots,
-                             into_checkpoint=into_checkpoint)
+                             into_checkpoint=into_checkpoint, tiles_per_program=tiles_per_program)
   if into_checkpoint:
     out, aliases = jax.ShapeDtypeStruct(state.shape, state.dtype), {5: 0}
   else:
@@ -141,9 +151,9 @@ def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, 
           ring_k, ring_u, ring_g)
   common.require_int32_offsets(name, state=state, ring_k=ring_k, ring_u=ring_u, out=out)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  tiles = (vd // cfg.block_v) * (kd // cfg.block_k)
   (result,) = pl.pallas_call(
-      kernel, grid=(tiles, h, row_slots), in_specs=[any_spec] * len(args), out_specs=[any_spec],
+      kernel, grid=(tiles // tiles_per_program, h, row_slots), in_specs=[any_spec] * len(args),
+      out_specs=[any_spec],
       out_shape=[out], input_output_aliases=aliases, name=name, interpret=interpret,
       compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
   )(*args)
@@ -165,11 +175,11 @@ def compact_rows(flags):
 
 
 def fold_flushing_rows(state, ring_k, ring_u, ring_g, plan: ReplayPlan, *, cfg, row_slots,
-                       interpret, name):
+                       interpret, name, tiles_per_program=1):
   """The flush pass after a step kernel appended token 0: flushing rows fold
   ``plan.fold_length()`` entries (window + token 0) into their checkpoint; returns the state."""
   # Compact the flushing rows to the front so the fold grid is sized for them, not for the batch.
   rows = compact_rows(plan.flush)
   return fold(state, ring_k, ring_u, ring_g, plan.slots, plan.base, plan.fold_length(), rows,
               jnp.sum(plan.flush), cfg=cfg, row_slots=row_slots, interpret=interpret,
-              into_checkpoint=True, name=name)
+              into_checkpoint=True, name=name, tiles_per_program=tiles_per_program)

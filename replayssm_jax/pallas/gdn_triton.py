@@ -300,7 +300,8 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
       + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.ring_k, bufs.ring_u, bufs.ring_g)],
       aliases={9: 1, 10: 2, 11: 3}, cfg=step, name="replayssm_gdn_replay_step", interpret=interpret)
   bufs = bufs.replace(ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
-  return o, fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
+  return o, fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret,
+                               tiles_per_program=cfg.fold_tiles)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
@@ -338,13 +339,14 @@ def reconstruct(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret)
   return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
 
 
-def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
+def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret, tiles_per_program=1):
   """The flush pass after a step kernel appended token 0 (``fold_triton.fold_flushing_rows``):
   flushing rows fold ``plan.fold_length()`` entries (window + token 0) into their checkpoint;
   returns the buffers."""
   return bufs.replace(state=fold_triton.fold_flushing_rows(
       bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g, plan, cfg=cfg.fold,
-      row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_gdn_fold"))
+      row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_gdn_fold",
+      tiles_per_program=tiles_per_program))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -383,7 +385,7 @@ def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None, num_warps=None
 
 def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, route="auto", block_v=None,
                 block_k=None, num_warps=None, num_stages=None, fold_block_v=None,
-                fold_block_k=None, fold_num_warps=None, fold_rows=None):
+                fold_block_k=None, fold_num_warps=None, fold_rows=None, fold_tiles=None):
   common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
   cfg = config_lib.replay_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_k_dim=bufs.head_k_dim,
@@ -395,17 +397,19 @@ def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, route="auto", blo
   fold = _knobs(op, cfg.fold, vd, kd, block_v=fold_block_v, block_k=fold_block_k,
                 num_warps=fold_num_warps)
   return config_lib.ReplayConfig(step=step, route=cfg.route, fold=fold,
-                                 fold_rows=cfg.fold_rows if fold_rows is None else int(fold_rows))
+                                 fold_rows=cfg.fold_rows if fold_rows is None else int(fold_rows),
+                                 fold_tiles=cfg.fold_tiles if fold_tiles is None else fold_tiles)
 
 
 def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, scale, route="auto",
                   block_v=None, block_k=None, num_warps=None, num_stages=None, fold_block_v=None,
-                  fold_block_k=None, fold_num_warps=None, fold_rows=None):
+                  fold_block_k=None, fold_num_warps=None, fold_rows=None, fold_tiles=None):
   """ReplaySSM GDN decode (one token per row): step pass, then the flush-fold pass.
 
   ``block_v``/``block_k``/``num_warps``/``num_stages`` override the step kernel's config
   (``block_k``, the K chunk, applies to the output-only route), ``fold_block_v`` /
-  ``fold_block_k`` / ``fold_num_warps`` the fold pass's, ``fold_rows`` its number of row slots.
+  ``fold_block_k`` / ``fold_num_warps`` the fold pass's, ``fold_rows`` its number of row slots,
+  ``fold_tiles`` its [fold_block_v, fold_block_k] tiles per program (a power of two).
   Returns (o [B, Hv, V] in v.dtype, bufs).
   """
   op = "gdn.replay_decode[pallas_triton]"
@@ -427,7 +431,7 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
   cfg = _replay_cfg(op, bufs, q.shape[0], plan.buffer_len, route=route, block_v=block_v,
                     block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                     fold_block_v=fold_block_v, fold_block_k=fold_block_k,
-                    fold_num_warps=fold_num_warps, fold_rows=fold_rows)
+                    fold_num_warps=fold_num_warps, fold_rows=fold_rows, fold_tiles=fold_tiles)
   return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,
                         interpret=common.interpret_mode())
 
