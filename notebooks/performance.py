@@ -99,6 +99,8 @@ CURRENT = {
     "batch": {   # speed-up and effective bandwidth vs batch (layers unrolled: session 10 on)
         "gdn_decode_2026-11-30_s10_matrix": "GDN decode B = 1-512, L = 16, f32 and bf16: output-only and the fold-and-step kernel",
         "mamba2_decode_2026-11-30_s10_matrix": "Mamba2 decode B = 1/32/256, L = 8, f32 and bf16: output-only, Mosaic reconstruct, fold-and-step",
+        "gdn_decode_2026-11-30_s11_small_defaults": "GDN decode B = 1/8/32, L = 16: the small-batch defaults run as defaults",
+        "mamba2_decode_2026-11-30_s11_small_defaults": "Mamba2 decode B = 1/8/32, L = 8: the small-batch defaults run as defaults",
         "model_decode_2026-11-29_s4_policy": "model step (8 GDN layers + MLP), small-batch policy on and off",
     },
     "L": {       # L sweeps: session 10 (layers unrolled) and sessions 1-3 (layer loop, older kernels)
@@ -106,6 +108,7 @@ CURRENT = {
         "gdn_decode_2026-11-30_s10_matrix": "GDN decode, L = 16, B = 1-512, layers unrolled",
         "gdn_decode_2026-11-29_run7": "GDN decode, L = 8/16/32 at B = 256/512",
         "gdn_decode_2026-11-29_s3_L32": "GDN decode, L = 16/32 at B = 256 after the R = 32 fold tile",
+        "mamba2_decode_2026-11-30_s11_L4_L16": "Mamba2 decode, L = 4/16 at B = 256, layers unrolled (L = 8: the batch matrix)",
         "mamba2_decode_2026-11-29_run1": "Mamba2 decode, L = 4/8/16 at B = 256",
     },
     "T": {       # speculative verify
@@ -116,6 +119,8 @@ CURRENT = {
         "verify_gdn_2026-11-30_s10_T4": "GDN B = 256, L = 8, T = 4: Mosaic (the default) and Triton, layers unrolled",
         "verify_mamba2_2026-11-30_s10_T4": "Mamba2 B = 256, L = 8, T = 4: Mosaic (the default) and Triton, layers unrolled",
         "verify_mamba2_2026-11-30_s10_T8": "Mamba2 B = 256, L = 8, T = 8, re-measured with an addressable baseline",
+        "verify_gdn_2026-11-30_s11_b1_b8": "GDN B = 1/8, L = 8, T = 2/4/8: Mosaic and Triton, layers unrolled",
+        "verify_mamba2_2026-11-30_s11_b1_b8": "Mamba2 B = 1/8, L = 8, T = 2/4/8: Mosaic and Triton, layers unrolled",
     },
 }
 
