@@ -347,11 +347,13 @@ class Mamba2Config:
 class Mamba2ReplayConfig:
   """The replay step and its compute route; for the output-only route also the flush-fold pass
   (pallas/fold_triton.py: tile ``fold`` [block_v = P rows, block_k = N columns], ``fold_rows`` row
-  slots). The reconstruct route stores flushing rows in its own launch (``fold`` is None)."""
+  slots, ``fold_tiles`` tiles per program). The reconstruct route stores flushing rows in its own
+  launch (``fold`` is None)."""
   step: Mamba2Config
   route: str
   fold: KernelConfig | None = None
   fold_rows: int = 1
+  fold_tiles: int = 1
 
   def __post_init__(self):
     if self.route not in ROUTES:
@@ -360,6 +362,9 @@ class Mamba2ReplayConfig:
       raise ValueError("route='output_only' needs a fold config (its flush pass)")
     if not isinstance(self.fold_rows, int) or self.fold_rows < 1:
       raise ValueError(f"fold_rows={self.fold_rows!r}; expected an int >= 1")
+    if not _pow2(self.fold_tiles):
+      raise ValueError(f"fold_tiles={self.fold_tiles!r}; expected a power of two (tiles of a head "
+                       f"split evenly between programs)")
 
 
 def _mamba2_fold(device_kind: str, head_dim: int, state_dim: int, ring_size: int) -> KernelConfig:
@@ -433,9 +438,12 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
     return Mamba2ReplayConfig(step=cfg, route=route)
   # Output-only: a separate fold pass over the flushing rows, as GDN (bench/NOTES.md item 8: a fold
   # branch inside the step kernel costs every program occupancy).
+  # fold_tiles: one tile per program on the H200 (GDN's gain from more was 1-3 %, NOTES 64; not
+  # measured for Mamba2); two on CPU so interpret mode covers the kernel's tile loop.
   return Mamba2ReplayConfig(step=cfg, route=route,
                             fold=_mamba2_fold(device_kind, head_dim, state_dim, ring_size),
-                            fold_rows=_decode_fold_rows(batch, buffer_len))
+                            fold_rows=_decode_fold_rows(batch, buffer_len),
+                            fold_tiles=2 if _is_cpu(device_kind) else 1)
 
 
 def mamba2_flush_decode_config(*, device_kind: str, state_dtype, head_dim: int,

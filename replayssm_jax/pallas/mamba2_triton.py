@@ -312,7 +312,8 @@ def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
     return bufs
   return bufs.replace(state=fold_triton.fold_flushing_rows(
       bufs.state, bufs.ring_B, bufs.ring_x, bufs.ring_a, plan, cfg=cfg.fold,
-      row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_mamba2_fold"))
+      row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_mamba2_fold",
+      tiles_per_program=cfg.fold_tiles))
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
@@ -382,14 +383,14 @@ def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=N
 def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z, dt_bias,
                   dt_softplus, route="auto", block_p=None, block_n=None, heads=None, num_warps=None,
                   num_stages=None, fold_block_p=None, fold_block_n=None, fold_num_warps=None,
-                  fold_rows=None):
+                  fold_rows=None, fold_tiles=None):
   """ReplaySSM Mamba2 decode (one token per row): the step launch, then (output-only route) the
   fold pass over the flushing rows.
 
   ``block_p`` (P rows per program), ``block_n`` (N chunk of the rebuild), ``heads`` (heads per
   program), ``num_warps`` and ``num_stages`` override the step's config; ``fold_block_p`` /
   ``fold_block_n`` / ``fold_num_warps`` the fold pass's tile and warps, ``fold_rows`` its row
-  slots. Returns (y [B, H, P], bufs).
+  slots, ``fold_tiles`` its tiles per program (a power of two). Returns (y [B, H, P], bufs).
   """
   op = "mamba2.replay_decode[pallas_triton]"
   if plan.num_tokens != 1:
@@ -418,12 +419,12 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   step = _fit(op, cfg.step, p, n, h // bufs.num_groups, block_p=block_p, block_n=block_n,
               heads=heads, num_warps=num_warps, num_stages=num_stages)
   cfg = dataclasses.replace(cfg, step=step, **_fold_knobs(op, cfg, p, n, fold_block_p, fold_block_n,
-                                                          fold_num_warps, fold_rows))
+                                                          fold_num_warps, fold_rows, fold_tiles))
   return _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
                         cfg=cfg, interpret=common.interpret_mode())
 
 
-def _fold_knobs(op, cfg, head_dim, state_dim, block_p, block_n, num_warps, rows) -> dict:
+def _fold_knobs(op, cfg, head_dim, state_dim, block_p, block_n, num_warps, rows, tiles) -> dict:
   """The fold pass's overrides as Mamba2ReplayConfig fields (none on the reconstruct route)."""
   if cfg.fold is None:
     return {}
@@ -433,7 +434,8 @@ def _fold_knobs(op, cfg, head_dim, state_dim, block_p, block_n, num_warps, rows)
   fold = fold.fit(head_dim & -head_dim, state_dim)
   if rows is not None and (not isinstance(rows, int) or rows < 1):
     raise ValueError(f"fold_rows={rows!r}; expected an int >= 1")
-  return {"fold": fold, "fold_rows": cfg.fold_rows if rows is None else rows}
+  return {"fold": fold, "fold_rows": cfg.fold_rows if rows is None else rows,
+          "fold_tiles": cfg.fold_tiles if tiles is None else tiles}
 
 
 def materialize(bufs: ReplayBuffers, slots, base, length, *, block_p=None, block_n=None,
