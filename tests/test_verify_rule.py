@@ -18,7 +18,8 @@ H200 = "NVIDIA H200"
     ("gdn", jnp.float32, 2, 256, ()),            # a tie at T = 2: Triton stays first
     ("gdn", jnp.float32, 4, 8, ("pallas_mosaic",)),   # B = 1 and 8 measured in session 11
     ("gdn", jnp.float32, 8, 1, ("pallas_mosaic",)),
-    ("gdn", jnp.float32, 2, 1, ()),
+    ("gdn", jnp.float32, 2, 1, ("pallas_mosaic",)),   # T = 2: Mosaic at B = 1, a tie from B = 8
+    ("gdn", jnp.float32, 2, 8, ()),
     ("mamba2", jnp.float32, 4, 1, ("pallas_mosaic",)),
     ("gdn", jnp.bfloat16, 4, 128, ()),           # bf16 measured at B = 256 only
     ("gdn", jnp.bfloat16, 4, 256, ("pallas_mosaic",)),
