@@ -26,6 +26,7 @@ from replayssm_jax.pallas import gdn_verify_triton
 HK, HV, KD, VD = 16, 32, 128, 128
 INTERPRET = pallas_common.interpret_mode()
 LAYERS = 1
+TIMING = {"reps": 7, "rep_seconds": 0.2}   # set from the command line by main
 
 
 def _setup(batch, buffer_len, state_dtype, layers, seed=0, tokens=1):
@@ -61,7 +62,7 @@ def per_layer(fn, slots_of):
 
 def _time(fn, carry, label, rows):
   call = jax.jit(lambda c, n: lax.fori_loop(0, n, lambda _, c: fn(c), c), donate_argnums=0)
-  _, t = common.time_loop(call, carry, reps=7, rep_seconds=0.2)
+  _, t = common.time_loop(call, carry, **TIMING)
   # One cycle = one step over all P layers: report per layer-step.
   med, p20, p80 = (x / LAYERS for x in common.quantiles(t.per_cycle()))
   rows.append([label, f"{med * 1e3:.4f}", f"{p20 * 1e3:.4f}-{p80 * 1e3:.4f}"])
@@ -132,8 +133,11 @@ def main(argv=None):
   p.add_argument("--state-dtype", default="float32")
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--config", default="default", help="step launch config, e.g. bv64w2bk64")
+  p.add_argument("--reps", type=int, default=7, help="timed calls per pass")
+  p.add_argument("--rep-seconds", type=float, default=0.2, help="target seconds per timed call")
   args = p.parse_args(argv)
   global LAYERS
+  TIMING.update(reps=args.reps, rep_seconds=args.rep_seconds)
   B, L, P, sdt = args.batch, args.buffer_len, args.layers, jnp.dtype(args.state_dtype)
   LAYERS = P
   if args.tokens > 1:

@@ -519,5 +519,6 @@ def test_gdn_breakdown_runs_each_pass():
   """bench.gdn_breakdown calls kernel internals (the step and fold launches on their own), so it
   breaks silently when their signatures move: run it once on CPU, interpreted."""
   from bench import gdn_breakdown  # noqa: PLC0415
-  rows = gdn_breakdown.main(["--batch", "2", "--buffer-len", "2", "--layers", "1", "--config", "ft2"])
+  rows = gdn_breakdown.main(["--batch", "2", "--buffer-len", "2", "--layers", "1", "--config", "ft2",
+                             "--reps", "1", "--rep-seconds", "0.001"])
   assert len(rows) == 5 and all(float(r[1]) > 0 for r in rows)
