@@ -322,26 +322,28 @@ def test_knobs_change_tiling_not_results():
 
 
 def test_fold_tiles_change_the_fold_grid_not_results():
-  """The output-only route's fold pass with one or both (the CPU default) of a head's two [8, 8]
-  tiles per program (64: clipped to 2) stores bitwise the same checkpoints through natural
-  flushes of full windows; a fold_tiles that does not split the tiles evenly is refused."""
+  """The output-only route's fold pass over P = 24 (six [8, 8] tiles per head: three row tiles,
+  two N chunks) with 1 or 2 (the CPU default) tiles per program, or 4 and 64, which do not divide
+  six and fall back to 2, stores bitwise the same checkpoints through natural flushes of full
+  windows; a fold_tiles that is not a power of two is refused."""
   rng = np.random.default_rng(12)
   _, jp = _params(rng)
+  p = 24
   cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)
-  first = _poisoned_buffers(cursor, 8, jnp.float32, _initial_states(rng, 8, jnp.float32))
-  runs = {n: first for n in (None, 1, 64)}
+  first = _poisoned_buffers(cursor, p, jnp.float32, _initial_states(rng, p, jnp.float32))
+  runs = {n: first for n in (None, 1, 4, 64)}
   flushed = 0
   for t in range(7):
     plan = cursor.plan(_slots_at(t))
     flushed += int(np.sum(np.asarray(plan.flush)))
-    a = make_step(rng, len(SLOTS), H, G, 8, N).as_jax()
+    a = make_step(rng, len(SLOTS), H, G, p, N).as_jax()
     for n, bufs in runs.items():
       _, runs[n] = mamba2_triton.replay_decode(
           a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs, plan, D=jp["D"], z=a["z"],
           dt_bias=jp["dt_bias"], dt_softplus=True, route="output_only", fold_tiles=n)
     cursor = cursor.commit(plan)
   assert flushed >= 3
-  for n in (1, 64):
+  for n in (1, 4, 64):
     for x, y in zip(jax.tree.leaves(runs[None]), jax.tree.leaves(runs[n])):
       assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), f"fold_tiles={n}"
   with pytest.raises(ValueError, match="fold_tiles=3"):

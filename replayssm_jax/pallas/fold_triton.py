@@ -13,6 +13,7 @@ on the flushing rows only, compacted so the grid is sized for the rows that work
 serves materialize (every row, into a fresh f32 array).
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -135,11 +136,12 @@ def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, 
          interpret, into_checkpoint, name, tiles_per_program=1):
   """The fold kernel over ``rows[:num_rows]`` of the batch: into the checkpoint ``state`` (aliased)
   or into a fresh f32 array [B, H, V, K]. ``cfg`` a KernelConfig: the [block_v, block_k] tile;
-  ``tiles_per_program`` (a power of two) of them per program, at most all of a head's."""
+  ``tiles_per_program`` (a power of two) of them per program, reduced to the largest power of two
+  that divides a head's tile count (Mamba2's P = 80 has 5 row tiles), so every tile is folded."""
   _, h, vd, kd = state.shape
   batch = slots.shape[0]
   tiles = (vd // cfg.block_v) * (kd // cfg.block_k)
-  tiles_per_program = min(tiles_per_program, tiles)   # powers of two: it divides ``tiles``
+  tiles_per_program = math.gcd(tiles_per_program, tiles)
   kernel = functools.partial(_fold_kernel, group=h // ring_k.shape[1], block_v=cfg.block_v,
                              block_k=cfg.block_k, ring_size=ring_g.shape[-1], row_slots=row_slots,
                              into_checkpoint=into_checkpoint, tiles_per_program=tiles_per_program)
