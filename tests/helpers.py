@@ -97,6 +97,22 @@ def round_to_tf32(x) -> np.ndarray:
   return bits.view(np.float32).astype(np.float64)
 
 
+def run_each_setting(cursor, bufs, slots_at, steps: int, make_args, decode, settings):
+  """The same ``steps`` decode steps (same plans, same inputs ``make_args()``) from ``bufs`` once
+  per setting: ``decode(args, bufs, plan, setting) -> (out, bufs)``, cursor committed after each
+  step. Returns ({setting: final buffers}, number of flushing rows over the steps)."""
+  runs = {setting: bufs for setting in settings}
+  flushed = 0
+  for t in range(steps):
+    plan = cursor.plan(slots_at(t))
+    flushed += int(np.sum(np.asarray(plan.flush)))
+    args = make_args()
+    for setting in settings:
+      _, runs[setting] = decode(args, runs[setting], plan, setting)
+    cursor = cursor.commit(plan)
+  return runs, flushed
+
+
 def lower_for_h200(fn, donate, *args) -> str:
   """StableHLO text of ``jax.jit(fn, donate_argnums=donate)`` lowered for an abstract H200 with
   the Pallas kernels built for real (not interpreted): notes/pallas-gpu.md §4. Shows what

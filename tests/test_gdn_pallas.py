@@ -15,7 +15,8 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax.pallas import gdn_triton
-from tests.helpers import gdn_step_f64, lower_for_h200, make_gdn_step, max_err, tolerance
+from tests.helpers import (gdn_step_f64, lower_for_h200, make_gdn_step, max_err,
+                           run_each_setting, tolerance)
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -196,20 +197,16 @@ def test_fold_tiles_change_the_fold_grid_not_results():
   rng = np.random.default_rng(12)
   cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)
   first = _poisoned_buffers(cursor, jnp.float32, _initial_states(rng, jnp.float32))
-  runs = {n: first for n in (None, 1, 64)}
-  flushed = 0
-  for t in range(7):
-    plan = cursor.plan(_slots_at(t))
-    flushed += int(np.sum(np.asarray(plan.flush)))
-    args = make_gdn_step(rng, len(SLOTS), HK, HV, K, V).as_jax()
-    for n, bufs in runs.items():
-      _, runs[n] = gdn_triton.replay_decode(*args, bufs, plan, scale=K ** -0.5,
-                                            route="output_only", fold_tiles=n)
-    cursor = cursor.commit(plan)
+  runs, flushed = run_each_setting(
+      cursor, first, _slots_at, 7, lambda: make_gdn_step(rng, len(SLOTS), HK, HV, K, V).as_jax(),
+      lambda args, bufs, plan, n: gdn_triton.replay_decode(
+          *args, bufs, plan, scale=K ** -0.5, route="output_only", fold_tiles=n),
+      (None, 1, 64))
   assert flushed >= 3
   for n in (1, 64):
     for a, b in zip(jax.tree.leaves(runs[None]), jax.tree.leaves(runs[n])):
       assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"fold_tiles={n}"
+  args = make_gdn_step(rng, len(SLOTS), HK, HV, K, V).as_jax()
   with pytest.raises(ValueError, match="fold_tiles=3"):
     gdn_triton.replay_decode(*args, first, cursor.plan(_slots_at(0)), scale=K ** -0.5,
                              fold_tiles=3)

@@ -15,7 +15,7 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax.pallas import mamba2_triton
-from tests.helpers import lower_for_h200, max_err, tolerance
+from tests.helpers import lower_for_h200, max_err, run_each_setting, tolerance
 from tests.test_mamba2_ops import make_params, make_step, mamba2_step_f64
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -331,26 +331,20 @@ def test_fold_tiles_change_the_fold_grid_not_results():
   p = 24
   cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)
   first = _poisoned_buffers(cursor, p, jnp.float32, _initial_states(rng, p, jnp.float32))
-  runs = {n: first for n in (None, 1, 4, 64)}
-  flushed = 0
-  for t in range(7):
-    plan = cursor.plan(_slots_at(t))
-    flushed += int(np.sum(np.asarray(plan.flush)))
-    a = make_step(rng, len(SLOTS), H, G, p, N).as_jax()
-    for n, bufs in runs.items():
-      _, runs[n] = mamba2_triton.replay_decode(
-          a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs, plan, D=jp["D"], z=a["z"],
-          dt_bias=jp["dt_bias"], dt_softplus=True, route="output_only", fold_tiles=n)
-    cursor = cursor.commit(plan)
+  def decode(a, bufs, plan, n):
+    return mamba2_triton.replay_decode(
+        a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs, plan, D=jp["D"], z=a["z"],
+        dt_bias=jp["dt_bias"], dt_softplus=True, route="output_only", fold_tiles=n)
+
+  runs, flushed = run_each_setting(cursor, first, _slots_at, 7,
+                                   lambda: make_step(rng, len(SLOTS), H, G, p, N).as_jax(), decode,
+                                   (None, 1, 4, 64))
   assert flushed >= 3
   for n in (1, 4, 64):
     for x, y in zip(jax.tree.leaves(runs[None]), jax.tree.leaves(runs[n])):
       assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), f"fold_tiles={n}"
   with pytest.raises(ValueError, match="fold_tiles=3"):
-    mamba2_triton.replay_decode(a["x"], a["dt"], jp["A"], a["B"], a["C"], first,
-                                cursor.plan(_slots_at(0)), D=jp["D"], z=a["z"],
-                                dt_bias=jp["dt_bias"], dt_softplus=True, route="output_only",
-                                fold_tiles=3)
+    decode(make_step(rng, len(SLOTS), H, G, p, N).as_jax(), first, cursor.plan(_slots_at(0)), 3)
 
 
 # ---------------------------------------------------------------------------------------------
