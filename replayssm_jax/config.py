@@ -140,13 +140,16 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   fold_rows = _decode_fold_rows(batch, buffer_len)
   if _is_cpu(device_kind):
     fold_tiles = 2   # interpret mode: two tiles per program cover the kernel's tile loop
-  elif _is_f32(state_dtype):
-    # H200 2026-11-30 (bench/RESULTS.md, session 11), B=256, L=16, full cycles, one run per value:
-    # 1 / 2 / 4 / 8 tiles per program 0.1861 / 0.1842 / 0.1895 / 0.1844 ms.
-    fold_tiles = 2
   else:
-    # Same run, bf16 state: 0.1205 / 0.1200 / 0.1166 / 0.1210 ms.
-    fold_tiles = 4
+    # H200 2026-11-30 (bench/RESULTS.md, sessions 11 and 12), L=16, full cycles. B=256, 1 / 2 / 4 /
+    # 8 tiles per program: f32 0.1861 / 0.1842 / 0.1895 / 0.1844 ms, bf16 0.1205 / 0.1200 / 0.1166
+    # / 0.1210. Below, fewer flushing rows (B/L) leave too few fold programs to share out: B=128
+    # f32 1 / 2 tiles 0.0997 / 0.0985, bf16 1 / 4 tiles 0.0656 / 0.0655; B=32 f32 0.0308 / 0.0318,
+    # bf16 0.0204 / 0.0240 (4 tiles turned replay's 1.01x into 0.86x there).
+    if _is_f32(state_dtype):
+      fold_tiles = 2 if batch >= 128 else 1
+    else:
+      fold_tiles = 4 if batch >= 256 else 1
   if route == "reconstruct":
     # The conventional decode's [BV, K] tile (the kernel is that step plus a window replay into the
     # tile). H200 B=256 L=16 f32: [8, K] in 1 warp is faster (0.313 vs 0.360 ms) but the route
@@ -440,12 +443,23 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
     return Mamba2ReplayConfig(step=cfg, route=route)
   # Output-only: a separate fold pass over the flushing rows, as GDN (bench/NOTES.md item 8: a fold
   # branch inside the step kernel costs every program occupancy).
-  # fold_tiles: one tile per program on the H200 (GDN's gain from more was 1-3 %, NOTES 64; not
-  # measured for Mamba2); two on CPU so interpret mode covers the kernel's tile loop.
   return Mamba2ReplayConfig(step=cfg, route=route,
                             fold=_mamba2_fold(device_kind, head_dim, state_dim, ring_size),
                             fold_rows=_decode_fold_rows(batch, buffer_len),
-                            fold_tiles=2 if _is_cpu(device_kind) else 1)
+                            fold_tiles=_mamba2_fold_tiles(device_kind, ring_size, batch))
+
+
+def _mamba2_fold_tiles(device_kind: str, ring_size: int, batch: int) -> int:
+  """Tiles per program of Mamba2's fold pass. CPU: two, so interpret mode covers the tile loop.
+  H200 2026-11-30 (bench/RESULTS.md, session 12), Nemotron-3-Super layer, B=256, full cycles,
+  1 / 2 / 4 tiles per program: R = 8 (the fold's unrolled rank-one FMAs) f32 0.4268 / 0.4444 /
+  0.4466 ms, bf16 0.2554 / 0.2593 / 0.2597; R = 16 (the window product) f32 0.4060 / 0.4045 /
+  0.3997, bf16 0.2586 / 0.2569 / 0.2537. The split follows the fold's two forms (unrolled FMAs below
+  R = 16, one matrix product from R = 16); why more tiles help only the product was not measured,
+  nor were smaller batches (GDN's fold lost with more tiles there), so they keep one."""
+  if _is_cpu(device_kind):
+    return 2
+  return 4 if ring_size >= 16 and batch >= 256 else 1
 
 
 def mamba2_flush_decode_config(*, device_kind: str, state_dtype, head_dim: int,

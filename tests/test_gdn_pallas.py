@@ -213,12 +213,15 @@ def test_fold_tiles_change_the_fold_grid_not_results():
 
 
 def test_fold_tiles_defaults():
-  """H200: two tiles per fold program for f32 state, four for bf16 (session 11's sweep)."""
+  """H200: two tiles per fold program for f32 state from B=128, four for bf16 at B=256, one at
+  smaller batches (sessions 11 and 12's sweeps: few flushing rows need many programs)."""
   from replayssm_jax import config   # noqa: PLC0415
-  kw = dict(device_kind="NVIDIA H200", head_k_dim=128, head_v_dim=128, num_k_heads=16, batch=256,
+  kw = dict(device_kind="NVIDIA H200", head_k_dim=128, head_v_dim=128, num_k_heads=16,
             buffer_len=16, ring_size=16)
-  assert config.replay_config(state_dtype=jnp.float32, **kw).fold_tiles == 2
-  assert config.replay_config(state_dtype=jnp.bfloat16, **kw).fold_tiles == 4
+  tiles = {(dtype, b): config.replay_config(state_dtype=dtype, batch=b, **kw).fold_tiles
+           for dtype in (jnp.float32, jnp.bfloat16) for b in (32, 128, 256)}
+  assert tiles == {(jnp.float32, 32): 1, (jnp.float32, 128): 2, (jnp.float32, 256): 2,
+                   (jnp.bfloat16, 32): 1, (jnp.bfloat16, 128): 1, (jnp.bfloat16, 256): 4}
 
 
 def test_the_pallas_kernels_run():

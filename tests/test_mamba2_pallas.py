@@ -347,6 +347,18 @@ def test_fold_tiles_change_the_fold_grid_not_results():
     decode(make_step(rng, len(SLOTS), H, G, p, N).as_jax(), first, cursor.plan(_slots_at(0)), 3)
 
 
+def test_fold_tiles_defaults():
+  """H200: one tile per fold program where the ring is short (R < 16: unrolled rank-one FMAs), four
+  where the fold is a window product at B=256 (session 12's sweep)."""
+  from replayssm_jax import config   # noqa: PLC0415
+  kw = dict(device_kind="NVIDIA H200", state_dtype=jnp.float32, head_dim=64, state_dim=128,
+            num_heads=128, num_groups=8, batch=256)
+  assert config.mamba2_replay_config(buffer_len=8, ring_size=8, **kw).fold_tiles == 1
+  assert config.mamba2_replay_config(buffer_len=16, ring_size=16, **kw).fold_tiles == 4
+  kw["batch"] = 128   # not measured below B = 256: one tile, as GDN's small batches want
+  assert config.mamba2_replay_config(buffer_len=16, ring_size=16, **kw).fold_tiles == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Abstract-H200 lowering at production shapes (notes/pallas-gpu.md §4): catches what interpret
 # mode hides (Triton power-of-two sizes, unsupported primitives) and checks in-place aliasing.
