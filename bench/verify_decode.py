@@ -104,20 +104,23 @@ class Family:
     return {"A": -jnp.linspace(1.0, 8.0, h), "D": jnp.ones((h,)), "dt_bias": jnp.zeros((h,))}
 
   def replay(self, inputs, bufs, plan, impl, knobs=()):
-    """The op; with ``knobs`` (launch overrides) the Pallas wrapper is called directly, all tokens real."""
+    """The op; with ``knobs`` (launch overrides) the Pallas wrapper of ``impl`` (Triton or Mosaic)
+    is called directly, all tokens real."""
     lengths = jnp.full(inputs[0].shape[:1], plan.num_tokens, jnp.int32)
     if self.name == "gdn":
       if knobs:
-        from replayssm_jax.pallas import gdn_verify_triton
-        return gdn_verify_triton.replay_verify(*inputs, bufs, plan, lengths,
-                                               scale=self.geo["kd"] ** -0.5, **dict(knobs))
+        from replayssm_jax.pallas import gdn_mosaic, gdn_verify_triton
+        kernels = gdn_mosaic if impl == "pallas_mosaic" else gdn_verify_triton
+        return kernels.replay_verify(*inputs, bufs, plan, lengths, scale=self.geo["kd"] ** -0.5,
+                                     **dict(knobs))
       return rs.gdn.replay_verify(*inputs, bufs, plan, implementation=impl)
     x, dt, B, C = inputs
     p = self.params()
     if knobs:
-      from replayssm_jax.pallas import mamba2_verify_triton
-      return mamba2_verify_triton.replay_verify(x, dt, p["A"], B, C, bufs, plan, lengths, D=p["D"], z=None,
-                                                dt_bias=p["dt_bias"], dt_softplus=True, **dict(knobs))
+      from replayssm_jax.pallas import mamba2_mosaic, mamba2_verify_triton
+      kernels = mamba2_mosaic if impl == "pallas_mosaic" else mamba2_verify_triton
+      return kernels.replay_verify(x, dt, p["A"], B, C, bufs, plan, lengths, D=p["D"], z=None,
+                                   dt_bias=p["dt_bias"], dt_softplus=True, **dict(knobs))
     return rs.mamba2.replay_verify(x, dt, p["A"], B, C, bufs, plan, D=p["D"], dt_bias=p["dt_bias"],
                                    implementation=impl)
 
@@ -160,7 +163,7 @@ class Setup:
   bank: int
   cycle_steps: int
   seed: int
-  knobs: tuple = ()   # launch overrides of the replay-pallas arm, sorted (name, value) pairs
+  knobs: tuple = ()   # launch overrides of the replay-pallas or replay-mosaic arm, sorted pairs
 
 
 def memory_per_request(family: Family, t: int, buffer_len: int, state_dtype: str, ring_dtype: str) -> dict:
@@ -352,8 +355,9 @@ def parse_args(argv):
   p.add_argument("--act-dtype", default="bfloat16")
   p.add_argument("--arms", type=lambda s: s.split(","), default=list(DEFAULT_ARMS))
   p.add_argument("--variants", type=_variants, default=[()],
-                 help="launch variants of the replay-pallas arm, comma-separated, each "
-                      "key=value[:key=value...], e.g. block_v=64:matmul=tf32x3 ('' = the config's)")
+                 help="launch variants of the replay-pallas and replay-mosaic arms, comma-"
+                      "separated, each key=value[:key=value...], e.g. block_v=64:matmul=tf32x3 "
+                      "or rows=4 (Mosaic; '' = the config's)")
   p.add_argument("--target-bytes", type=float, default=2**30, help="P layers: P·state pool >= this")
   p.add_argument("--max-layers", type=int, default=64)
   p.add_argument("--cycle-steps", type=int, default=16, help="honest steps per timed cycle")
@@ -407,7 +411,7 @@ def main(argv=None) -> dict:
         setup = Setup(family, B, t, args.buffer_len, P, sdt, args.ring_dtype, args.act_dtype, args.bank,
                       args.cycle_steps, args.seed)
         runs = [(arm, knobs) for arm in args.arms
-                for knobs in (args.variants if arm == "replay-pallas" else [()])]
+                for knobs in (args.variants if arm in ("replay-pallas", "replay-mosaic") else [()])]
         for arm, knobs in runs:
           if arm.endswith("xla") and args.xla_batches is not None and B not in args.xla_batches:
             continue

@@ -654,12 +654,16 @@ def mamba2_verify_conventional_config(*, device_kind: str, state_dtype, head_dim
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicConfig:
   """One Mosaic GPU launch: state-tile rows per program (GDN's [BV, K] checkpoint tile, Mamba2's
-  [BP, N] state tile, staged by TMA)."""
+  [BP, N] state tile, staged by TMA); ``rows``: batch rows per program (the verify kernels; with
+  rows ≥ 2 the next row's staging overlaps the current row's work, in doubled SMEM buffers)."""
   block_v: int
+  rows: int = 1
 
   def __post_init__(self):
     if not isinstance(self.block_v, int) or self.block_v < 1:
       raise ValueError(f"block_v={self.block_v!r}; expected an int >= 1")
+    if not _pow2(self.rows):
+      raise ValueError(f"rows={self.rows!r}; expected a power of two (batch rows per program)")
 
 
 def mosaic_decode_config(*, device_kind: str, state_dtype, head_v_dim: int) -> MosaicConfig:
@@ -700,17 +704,23 @@ def mosaic_mamba2_replay_config(*, device_kind: str, head_dim: int) -> MosaicCon
 
 
 def mosaic_verify_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
-  """Verify (reconstruct route), grid (V/BV, Hv, B): one checkpoint tile and the row's ring in SMEM."""
+  """Verify (reconstruct route), grid (V/BV, Hv, B / rows): one checkpoint tile and the row's ring
+  in SMEM per row in flight."""
   # *untuned*: the replay tile, the smallest that lowers (the Triton reconstruct route ran fastest
-  # with its smallest tile, [8, K]; Mosaic's WGMMA layout cannot go below 64 rows).
-  return mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
+  # with its smallest tile, [8, K]; Mosaic's WGMMA layout cannot go below 64 rows). Rows per
+  # program: one on the H200 until measured (bench/NOTES.md 72); four on CPU so interpret mode
+  # covers the double-buffered loop.
+  tile = mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
                               head_v_dim=head_v_dim, num_k_heads=1, group=1, batch=1)
+  return dataclasses.replace(tile, rows=4 if _is_cpu(device_kind) else 1)
 
 
 def mosaic_mamba2_verify_config(*, device_kind: str, head_dim: int) -> MosaicConfig:
-  """Mamba2 verify (reconstruct route), grid (P/BP, H, B); ``block_v`` holds BP."""
-  # *untuned*: the replay kernel's tile (the same program, stepping T tokens).
-  return mosaic_mamba2_replay_config(device_kind=device_kind, head_dim=head_dim)
+  """Mamba2 verify (reconstruct route), grid (P/BP, H, B / rows); ``block_v`` holds BP."""
+  # *untuned*: the replay kernel's tile (the same program, stepping T tokens). Rows per program as
+  # GDN's verify: one on the H200 until measured, four on CPU for the double-buffered loop.
+  tile = mosaic_mamba2_replay_config(device_kind=device_kind, head_dim=head_dim)
+  return dataclasses.replace(tile, rows=4 if _is_cpu(device_kind) else 1)
 
 
 def mosaic_materialize_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:

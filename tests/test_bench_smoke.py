@@ -259,6 +259,20 @@ def test_verify_decode_smoke(tmp_path):
   assert "## Memory per request and layer" in md.read_text()
 
 
+@pytest.mark.slow
+def test_verify_decode_mosaic_variants(tmp_path):
+  """``--variants`` reaches the Mosaic arm's wrapper too: rows=2 (two batch rows per program)
+  runs, passes its gate and is labelled; the default config runs beside it."""
+  from bench import verify_decode  # noqa: PLC0415
+  out = tmp_path / "v.json"
+  verify_decode.main(["--smoke", "--arms", "replay-mosaic", "--variants", ",rows=2",
+                      "--out-json", str(out)])
+  rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == {"replay-mosaic", "replay-mosaic[rows=2]"}
+  for r in rows.values():
+    assert r["status"] == "ok" and r["gate"]["passed"], (r["arm"], r["error"], r.get("gate"))
+
+
 def test_verify_layers_keep_the_conventional_stack_int32_addressable():
   from bench import verify_decode  # noqa: PLC0415
   mamba2_super, qwen = 128 * 64 * 128, 32 * 128 * 128   # one slot's state elements

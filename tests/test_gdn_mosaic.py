@@ -7,6 +7,8 @@ staggered), forced plus natural flushes so windows wrap the ring, NaN-poisoned r
 outside every window. The interpreter ignores Mosaic layouts (16-row tiles run here but would
 not lower); the lowering tests cover the production tiles.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,6 +144,31 @@ def test_verify_long_windows_parity():
   assert longest >= 8, longest
 
 
+def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
+  """1, 2 or 4 batch rows per verify program (4: two pairs, so a buffer is staged again while the
+  other row computes) leave bitwise the same checkpoints and rings after steps with natural and
+  forced flushes, padding rows and short rows; every step of every run is also checked against
+  XLA and float64 (Lockstep, batch 4)."""
+  from replayssm_jax import config as config_lib
+  from tests.test_gdn_verify_pallas import Lockstep, _rows
+  real = config_lib.mosaic_verify_config
+  finals, flushes = {}, {}
+  for rows in (1, 2, 4):
+    monkeypatch.setattr(config_lib, "mosaic_verify_config",
+                        lambda rows=rows, **kw: dataclasses.replace(real(**kw), rows=rows))
+    rng = np.random.default_rng(21)
+    h = Lockstep(num_tokens=2, buffer_len=4, seed=21, impl=IMPL, conventional=False)
+    for t in range(5):
+      h.step(_rows(rng, t), lengths=rng.integers(1, 3, size=4), force=rng.random(4) < 0.2)
+    finals[rows], flushes[rows] = h.bufs[IMPL], int(h.flushes.sum())
+  assert flushes[1] >= 3
+  for rows in (2, 4):
+    for a, b in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[rows])):
+      assert _same_bits(a, b), f"rows={rows}"
+  with pytest.raises(ValueError, match="rows=3"):
+    dataclasses.replace(real(device_kind="cpu", head_v_dim=V), rows=3)
+
+
 def test_the_mosaic_kernels_run():
   """implementation="pallas_mosaic" traces our Mosaic kernels (not the Triton ones)."""
   cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)
@@ -186,7 +213,7 @@ P_HK, P_HV, P_K, P_V, P_B, P_N, P_L = 16, 32, 128, 128, 8, 16, 16
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kernel", ["decode", "replay", "materialize", "verify"])
+@pytest.mark.parametrize("kernel", ["decode", "replay", "materialize", "verify", "verify_rows4"])
 def test_lowers_for_h200(kernel, state_dtype):
   bf16 = jnp.bfloat16
   slots = jnp.asarray(np.r_[np.arange(P_B - 1), -1], jnp.int32)
@@ -203,18 +230,22 @@ def test_lowers_for_h200(kernel, state_dtype):
   elif kernel == "materialize":
     text = lower_for_h200(lambda b, c, s: rs.gdn.materialize(b, c, s, implementation=IMPL),
                   (), bufs, cursor, slots)
-  elif kernel == "verify":   # T = 4 tokens per row, ring sized for L = 8 plus the drafts
+  elif kernel.startswith("verify"):   # T = 4 tokens per row, ring sized for L = 8 plus the drafts
     cursor = rs.ReplayCursor.create(P_N, buffer_len=8, max_draft=3)
     bufs = rs.gdn.ReplayBuffers.create(P_N, cursor, num_k_heads=P_HK, num_v_heads=P_HV,
                                        head_k_dim=P_K, head_v_dim=P_V, state_dtype=state_dtype,
                                        ring_dtype=bf16)
     tokens = tuple(jnp.stack([x] * 4, axis=1) for x in step)
-    text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_verify(*x, b, p, implementation=IMPL),
-                  (0,), bufs, cursor.plan(slots, num_tokens=4), *tokens)
+    if kernel == "verify":
+      verify = lambda b, p, *x: rs.gdn.replay_verify(*x, b, p, implementation=IMPL)
+    else:   # four rows per program: doubled SMEM buffers, the next row staged during this one
+      lengths = jnp.full((P_B,), 4, jnp.int32)
+      verify = lambda b, p, *x: gdn_mosaic.replay_verify(*x, b, p, lengths, scale=1.0, rows=4)
+    text = lower_for_h200(verify, (0,), bufs, cursor.plan(slots, num_tokens=4), *tokens)
   else:
     text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation=IMPL),
                   (0,), bufs, cursor.plan(slots), *step)
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
   # Written Refs alias their donated buffers: pool (decode); state and three rings (replay, verify).
   assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "materialize": 0,
-                                               "verify": 4}[kernel]
+                                               "verify": 4, "verify_rows4": 4}[kernel]

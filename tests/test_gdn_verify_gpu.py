@@ -98,6 +98,18 @@ def test_compiled_mosaic_verify_matches_float64_oracle(num_tokens, buffer_len, s
   assert errs["replay"] < bound and errs["state"] < bound, errs
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+def test_compiled_mosaic_verify_rows_per_program(monkeypatch, rows):
+  """The Mosaic verify with 2 or 4 batch rows per program (doubled SMEM buffers, the next row's
+  TMA issued before the current row computes) against float64; the batch of 4 holds a padding
+  row, so at 4 rows one program takes all four through two pairs."""
+  real = config_lib.mosaic_verify_config
+  monkeypatch.setattr(config_lib, "mosaic_verify_config",
+                      lambda **kw: dataclasses.replace(real(**kw), rows=rows))
+  errs = _run(4, 8, jnp.float32, steps=10, seed=5, impl="pallas_mosaic")
+  assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
+
+
 def test_compiled_verify_split_route(monkeypatch):
   """The split output-only route (readout launch, then the step kernel on the readouts) against
   float64."""

@@ -6,13 +6,15 @@ Small grids (the Mosaic interpreter costs ~0.5 s per kernel call): H 4 over G 2 
 Mosaic layouts (16-row tiles run here but would not lower); the lowering tests cover the
 production tiles.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import replayssm_jax as rs
-from replayssm_jax.pallas import common
+from replayssm_jax.pallas import common, mamba2_mosaic
 from tests.helpers import lower_for_h200, tolerance
 from tests.test_mamba2_ops import make_step
 from tests.test_mamba2_pallas import (NANO, NUM_SLOTS, SLOTS, SUPER, H, G, N, _assert_close,
@@ -77,6 +79,32 @@ def test_verify_long_windows_parity():
   assert longest >= 8, longest
 
 
+def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
+  """1, 2 or 4 batch rows per verify program (4: two pairs, a buffer staged again while the other
+  row computes) leave bitwise the same checkpoints and rings after steps with natural and forced
+  flushes, padding rows and short rows; every step of every run is also checked against XLA and
+  float64 (Twin, batch 4)."""
+  from replayssm_jax import config as config_lib
+  from tests.test_mamba2_verify_pallas import BATCH, Twin, _staggered_rows
+  real = config_lib.mosaic_mamba2_verify_config
+  finals, flushes = {}, {}
+  for rows in (1, 2, 4):
+    monkeypatch.setattr(config_lib, "mosaic_mamba2_verify_config",
+                        lambda rows=rows, **kw: dataclasses.replace(real(**kw), rows=rows))
+    rng = np.random.default_rng(22)
+    twin = Twin(num_tokens=2, buffer_len=4, seed=22, impl=IMPL, conventional=False)
+    for t in range(5):
+      rows_t = _staggered_rows(rng, NUM_SLOTS, BATCH, t + 2)
+      short = rng.random(BATCH) < 0.3
+      twin.step(rows_t, lengths=np.where(short, 1, 2),
+                force=(rng.random(BATCH) < 0.2) & (np.asarray(rows_t) >= 0))
+    finals[rows], flushes[rows] = twin.bufs[IMPL], twin.natural + twin.forced
+  assert flushes[1] >= 3
+  for rows in (2, 4):
+    for a, b in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[rows])):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"rows={rows}"
+
+
 def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
   jp, pool, j, slots = _one_step(7)
   run = lambda: rs.mamba2.decode(j["x"], j["dt"], jp["A"], j["B"], j["C"], pool, slots,
@@ -108,7 +136,8 @@ def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
     ("decode", "float32", 8, "super"), ("decode", "bfloat16", 8, "super"),
     ("decode", "float32", 8, "nano"), ("replay", "float32", 16, "super"),
     ("replay", "bfloat16", 8, "super"), ("replay", "float32", 8, "nano"),
-    ("verify", "float32", 8, "super"), ("verify", "bfloat16", 8, "super")])
+    ("verify", "float32", 8, "super"), ("verify", "bfloat16", 8, "super"),
+    ("verify_rows4", "float32", 8, "super")])
 def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   """Super (P 64, N 128): one Mosaic kernel, every donated buffer updated in place (pool; state
   and the three rings). Nano (P 80): no 64-row tile divides P, so compiling refuses it
@@ -118,16 +147,21 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   if kernel == "decode":
     lower = lambda: lower_for_h200(lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
         x, dt, A, B, C, pool, s, z=x, implementation=IMPL, **extra), (0,), bufs.state, slots, *step)
-  elif kernel == "verify":   # T = 4 tokens per row
+  elif kernel.startswith("verify"):   # T = 4 tokens per row
     cursor = rs.ReplayCursor.create(cursor.num_slots, buffer_len=buffer_len, max_draft=3)
     bufs = rs.mamba2.ReplayBuffers.create(cursor.num_slots, cursor, num_heads=bufs.num_heads,
                                           head_dim=bufs.head_dim, num_groups=bufs.num_groups,
                                           state_dim=bufs.state_dim, state_dtype=state_dtype,
                                           ring_dtype=jnp.bfloat16)
     tokens = [x if x.ndim == 1 else jnp.stack([x] * 4, axis=1) for x in step]   # A stays [H]
-    lower = lambda: lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_verify(
-        x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra), (0,), bufs,
-        cursor.plan(slots, num_tokens=4), *tokens)
+    if kernel == "verify":
+      verify = lambda b, p, x, dt, A, B, C: rs.mamba2.replay_verify(
+          x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra)
+    else:   # four rows per program: doubled SMEM buffers, the next row staged during this one
+      lengths = jnp.full(slots.shape, 4, jnp.int32)
+      verify = lambda b, p, x, dt, A, B, C: mamba2_mosaic.replay_verify(
+          x, dt, A, B, C, b, p, lengths, z=x, dt_softplus=True, rows=4, **extra)
+    lower = lambda: lower_for_h200(verify, (0,), bufs, cursor.plan(slots, num_tokens=4), *tokens)
   else:
     lower = lambda: lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
         x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra), (0,), bufs, cursor.plan(slots),
@@ -138,7 +172,8 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
     return
   text = lower()
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
-  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "verify": 4}[kernel]
+  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "verify": 4,
+                                               "verify_rows4": 4}[kernel]
 
 
 def test_softplus_without_log1p_is_f32_accurate():

@@ -6,6 +6,8 @@ At Nemotron-3-Super geometry (H 128, P 64, N 128, G 8) the compiled ``replay_ver
 natural and forced flushes, against the independent float64 oracle (a TF32 product anywhere would
 show errors near 1e-3); donated steps must not copy the checkpoint pool or the state stack.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,18 @@ def test_compiled_mosaic_verify_matches_float64_oracle(num_tokens, buffer_len, s
               impl="pallas_mosaic")
   bound = 5e-5 if state_dtype == jnp.float32 else 5e-2
   assert errs["replay"] < bound and errs["state"] < bound, errs
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_compiled_mosaic_verify_rows_per_program(monkeypatch, rows):
+  """The Mosaic verify with 2 or 4 batch rows per program (doubled SMEM buffers, the next row's
+  TMA issued before the current row computes) against float64; with 4 one program takes the
+  whole batch, padding row included, through two pairs."""
+  real = config_lib.mosaic_mamba2_verify_config
+  monkeypatch.setattr(config_lib, "mosaic_mamba2_verify_config",
+                      lambda **kw: dataclasses.replace(real(**kw), rows=rows))
+  errs = _run(jnp.float32, 4, 8, steps=8, seed=6, impl="pallas_mosaic")
+  assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
 
 
 def test_compiled_verify_bf16_state():

@@ -16,11 +16,12 @@ Same op semantics as gdn_triton.py; three kernels, each ``kernel → builder →
   *Unmeasured*: bench/gdn_decode.py --impls decides whether that holds on the H200.
 * ``materialize``: the same fold body on every row, into a fresh f32 [B, Hv, V, K].
 * ``replay_verify``: speculative verify of T tokens per row, the reconstruct route of the Triton
-  kernels (gdn_triton ``_reconstruct_kernel``). Grid (V/BV, Hv, B); a program TMA-stages its
-  checkpoint tile, the row's ring and the T tokens' q, k, v, replays the committed window into
-  the tile (``_fold_window``), steps the T tokens by the delta rule (outputs, ring appends past
-  the window), and a flushing row stores the tile after token 0 in place: committed history
-  only, one launch.
+  kernels (gdn_triton ``_reconstruct_kernel``). Grid (V/BV, Hv, B / rows); for each of its rows
+  a program TMA-stages the checkpoint tile, the row's ring and the T tokens' q, k, v, replays the
+  committed window into the tile (``_fold_window``), steps the T tokens by the delta rule
+  (outputs, ring appends past the window), and a flushing row stores the tile after token 0 in
+  place: committed history only, one launch. With ``rows`` ≥ 2 rows per program the buffers are
+  doubled and row i + 1 is staged while row i computes.
 
 Ring windows are walked entry by entry (``lax.fori_loop`` over ``count`` entries at ring indices
 ``(base + j) mod R``), so entries outside a window (stale or NaN) are staged into SMEM but never
@@ -35,7 +36,9 @@ multiple of 64 and K of 64 when compiling (``_require_lowerable``).
 Shapes: q, k [B, Hk, K]; v [B, Hv, V]; g, beta [B, Hv] (verify: [B, T, ...]); state [N, Hv, V, K];
 ring_k [N, Hk, R, K]; ring_u [N, Hv, R, V]; ring_g [N, Hv, R].
 """
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +160,43 @@ def _tile_after_window(S_smem, rk_smem, ru_smem, rg_smem, bars, base, length, ri
   return _fold_window(S, rk_smem, ru_smem.at[0], rg_smem.at[0], base, length, ring_size)
 
 
+def _buffered_scratch(one: dict, rows: int) -> dict:
+  """The scratch of one row in flight, once per buffer: twice (names suffixed 0 and 1) when a
+  program takes ``rows`` ≥ 2 rows, else once (suffix 0). Each buffer is its own allocation, so
+  every TMA destination keeps its alignment (see ``_stage_ring``)."""
+  return {f"{name}{i}": shape for i in range(2 if rows > 1 else 1) for name, shape in one.items()}
+
+
+def _row_buffers(scratch: dict, rows: int) -> list[dict]:
+  """``_buffered_scratch``'s refs as one dict per buffer, keyed by the unsuffixed names."""
+  return [{name[:-1]: ref for name, ref in scratch.items() if name.endswith(str(i))}
+          for i in range(2 if rows > 1 else 1)]
+
+
+def _pipeline_rows(rows: int, buffers: list[dict], stage, process):
+  """Runs ``process(i, buffer)`` for a program's rows i = 0 … rows − 1 after ``stage(i, buffer)``
+  has issued row i's TMA into that buffer. With two buffers, row i + 1 is staged before row i is
+  processed, so its loads overlap row i's work; a buffer is staged again only after its last
+  row's stores have left SMEM and its reads are committed."""
+  stage(0, buffers[0])
+  if rows == 1:
+    process(0, buffers[0])
+    return
+
+  def restage(i, buf):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.commit_smem()
+    stage(i, buf)
+
+  def pair(p, carry):
+    restage(2 * p + 1, buffers[1])
+    process(2 * p, buffers[0])
+    pl.when(2 * p + 2 < rows)(lambda: restage(2 * p + 2, buffers[0]))
+    process(2 * p + 1, buffers[1])
+    return carry
+  lax.fori_loop(0, rows // 2, pair, 0)
+
+
 def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref, v_ref, g_ref,
                         beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
                         S_smem, rk_smem, ru_smem, rg_smem, bars,
@@ -266,70 +306,82 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
 
 def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
                    g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
-                   S_smem, rk_smem, ru_smem, rg_smem, q_smem, k_smem, v_smem, bars, tok_bars,
-                   *, scale, group, block_v, ring_size, num_tokens):
-  vt, h, b = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
-  s = slots_ref[b]
+                   *, scale, group, block_v, ring_size, num_tokens, rows, **scratch):
+  """Program (vt, h, z) verifies batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
+  rows ≥ 2 the next row's staging overlaps the current row's work)."""
+  vt, h, z = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
   tile = pl.ds(vt * block_v, block_v)
   hk = h // group
-  _stage_head(state_ref, ring_k_ref, ring_u_ref, ring_g_ref, s, hk, h, tile, S_smem, rk_smem,
-              ru_smem, rg_smem, bars)
-  # The T tokens' q, k [T, K] and v [T, BV] by TMA, their g and β loaded now: both overlap the
-  # window replay instead of queueing behind it token by token.
-  for i, (src, dst) in enumerate(((q_ref.at[b, :, hk], q_smem), (k_ref.at[b, :, hk], k_smem),
-                                  (v_ref.at[b, :, h, tile], v_smem))):
-    plgpu.copy_gmem_to_smem(src, dst, tok_bars.at[i])
-  gs = [g_ref[b, i, h] for i in range(num_tokens)]
-  betas = [beta_ref[b, i, h] for i in range(num_tokens)]
-  base, count, n = base_ref[b], count_ref[b], lengths_ref[b]
-  valid = s >= 0
-  S = _tile_after_window(S_smem, rk_smem, ru_smem, rg_smem, bars, base, count, ring_size)
-  _wait_all(tok_bars, 3)
-  rdt = ring_u_ref.dtype
-  for i in range(num_tokens):
-    live = valid & (n > i)
-    put = (base + count + i) % ring_size
-    # A padded lane's inputs may be NaN and are never read: it reads token 0's vectors (real on a
-    # live row) with g = β = 0, so u = 0 and S is unchanged exactly; its output is a stored zero.
-    at = jnp.where(live, i, 0)
-    k = _vec(k_smem.at[at], _ROW_K)
-    q = _vec(q_smem.at[at], _ROW_K) * scale
-    v = _vec(v_smem.at[at], _COL_V)
-    g = jnp.where(live, gs[i].astype(f32), 0.0)
-    beta = jnp.where(live, betas[i].astype(f32), 0.0)
-    alpha = jnp.exp(g)
-    u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
-    S = alpha * S + u[:, None] * k[None, :]
-    o = jnp.sum(S * q[None, :], axis=1)
+  buffers = _row_buffers(scratch, rows)
 
-    @pl.when(live)
-    def _():
-      o_ref[b, i, h, tile] = o.astype(o_ref.dtype)
+  def stage(i, buf):
+    """Issue the TMA of row z·rows + i's checkpoint tile, ring and T tokens into ``buf``."""
+    b = z * rows + i
+    _stage_head(state_ref, ring_k_ref, ring_u_ref, ring_g_ref, slots_ref[b], hk, h, tile,
+                buf["S_smem"], buf["rk_smem"], buf["ru_smem"], buf["rg_smem"], buf["bars"])
+    for j, (src, dst) in enumerate(((q_ref.at[b, :, hk], buf["q_smem"]),
+                                    (k_ref.at[b, :, hk], buf["k_smem"]),
+                                    (v_ref.at[b, :, h, tile], buf["v_smem"]))):
+      plgpu.copy_gmem_to_smem(src, dst, buf["tok_bars"].at[j])
 
-    @pl.when(~live)
-    def _():
-      o_ref[b, i, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+  def verify_row(i, buf):
+    """Row z·rows + i, staged in ``buf``: window, then the T tokens (outputs, ring appends past
+    the window); a flushing row stores the tile after token 0 (committed history only)."""
+    b = z * rows + i
+    s = slots_ref[b]
+    gs = [g_ref[b, j, h] for j in range(num_tokens)]
+    betas = [beta_ref[b, j, h] for j in range(num_tokens)]
+    base, count, n = base_ref[b], count_ref[b], lengths_ref[b]
+    valid = s >= 0
+    S = _tile_after_window(buf["S_smem"], buf["rk_smem"], buf["ru_smem"], buf["rg_smem"],
+                           buf["bars"], base, count, ring_size)
+    _wait_all(buf["tok_bars"], 3)
+    rdt = ring_u_ref.dtype
+    for j in range(num_tokens):
+      live = valid & (n > j)
+      put = (base + count + j) % ring_size
+      # A padded lane's inputs may be NaN and are never read: it reads token 0's vectors (real on
+      # a live row) with g = β = 0, so u = 0 and S is unchanged exactly; its output is a stored 0.
+      at = jnp.where(live, j, 0)
+      k = _vec(buf["k_smem"].at[at], _ROW_K)
+      q = _vec(buf["q_smem"].at[at], _ROW_K) * scale
+      v = _vec(buf["v_smem"].at[at], _COL_V)
+      g = jnp.where(live, gs[j].astype(f32), 0.0)
+      beta = jnp.where(live, betas[j].astype(f32), 0.0)
+      alpha = jnp.exp(g)
+      u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
+      S = alpha * S + u[:, None] * k[None, :]
+      o = jnp.sum(S * q[None, :], axis=1)
 
-    if i == 0:
-      @pl.when(valid & (flush_ref[b] != 0))
+      @pl.when(live)
       def _():
-        # Window + token 0: the committed history only; drafts (tokens ≥ 1) are never folded.
-        S_smem[...] = S.astype(S_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(S_smem, state_ref.at[s, h, tile])
+        o_ref[b, j, h, tile] = o.astype(o_ref.dtype)
 
-    @pl.when(live)
-    def _():
-      ring_u_ref[s, h, put, tile] = u.astype(rdt)
-
-      @pl.when(vt == 0)  # g is per head, k per key head: one program appends each
+      @pl.when(~live)
       def _():
-        ring_g_ref[s, h, put] = g
+        o_ref[b, j, h, tile] = _zeros(block_v).astype(o_ref.dtype)
 
-        @pl.when(h % group == 0)
+      if j == 0:
+        @pl.when(valid & (flush_ref[b] != 0))
         def _():
-          ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
+          # Window + token 0: the committed history only; drafts (tokens ≥ 1) are never folded.
+          buf["S_smem"][...] = S.astype(buf["S_smem"].dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(buf["S_smem"], state_ref.at[s, h, tile])
 
+      @pl.when(live)
+      def _():
+        ring_u_ref[s, h, put, tile] = u.astype(rdt)
+
+        @pl.when(vt == 0)  # g is per head, k per key head: one program appends each
+        def _():
+          ring_g_ref[s, h, put] = g
+
+          @pl.when(h % group == 0)
+          def _():
+            ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
+
+  _pipeline_rows(rows, buffers, stage, verify_row)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -390,16 +442,17 @@ def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpr
   batch, t, hk = q.shape[:3]
   hv, vd, kd, bv = bufs.num_v_heads, bufs.head_v_dim, bufs.head_k_dim, cfg.block_v
   kernel = functools.partial(_verify_kernel, scale=scale, group=hv // hk, block_v=bv,
-                             ring_size=bufs.ring_size, num_tokens=t)
+                             ring_size=bufs.ring_size, num_tokens=t, rows=cfg.rows)
   refs = [jax.new_ref(x) for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)]
+  one = dict(S_smem=plgpu.SMEM((bv, kd), bufs.state.dtype), **_ring_scratch(bufs, 1, bv),
+             q_smem=plgpu.SMEM((t, kd), q.dtype), k_smem=plgpu.SMEM((t, kd), k.dtype),
+             v_smem=plgpu.SMEM((t, bv), v.dtype), bars=plgpu.Barrier(num_barriers=4),
+             tok_bars=plgpu.Barrier(num_barriers=3))
   o = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
-      grid=(vd // bv, hv, batch), grid_names=("vt", "h", "b"),
-      scratch_types=dict(S_smem=plgpu.SMEM((bv, kd), bufs.state.dtype), **_ring_scratch(bufs, 1, bv),
-                         q_smem=plgpu.SMEM((t, kd), q.dtype), k_smem=plgpu.SMEM((t, kd), k.dtype),
-                         v_smem=plgpu.SMEM((t, bv), v.dtype), bars=plgpu.Barrier(num_barriers=4),
-                         tok_bars=plgpu.Barrier(num_barriers=3)),
-      kernel_name="replayssm_gdn_verify_mosaic", interpret=_interpret(interpret),
+      grid=(vd // bv, hv, batch // cfg.rows), grid_names=("vt", "h", "b"),
+      scratch_types=_buffered_scratch(one, cfg.rows), kernel_name="replayssm_gdn_verify_mosaic",
+      interpret=_interpret(interpret),
   )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, q, k, v, g, beta,
     *refs)
   state, ring_k, ring_u, ring_g = (jax.freeze(r) for r in refs)
@@ -469,8 +522,8 @@ def _require_lowerable(op, *, head_k_dim, head_v_dim, block_v, ring_size, smem, 
 
 
 def _fit(cfg, head_v_dim, block_v):
-  return config_lib.MosaicConfig(block_v=min(cfg.block_v if block_v is None else int(block_v),
-                                             head_v_dim))
+  return dataclasses.replace(cfg, block_v=min(cfg.block_v if block_v is None else int(block_v),
+                                              head_v_dim))
 
 
 def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None):
@@ -515,20 +568,25 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
 
 
 def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, scale,
-                  block_v=None):
+                  block_v=None, rows=None):
   """ReplaySSM GDN speculative verify, reconstruct route (one launch, flush stored in place).
 
   q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; lengths int32[B]. Returns
-  (o [B, T, Hv, V] in v.dtype, bufs). ``block_v`` overrides the config's V tile.
+  (o [B, T, Hv, V] in v.dtype, bufs). ``block_v`` overrides the config's V tile, ``rows`` its
+  batch rows per program (a power of two; reduced to one that divides B).
   """
   cfg = _fit(config_lib.mosaic_verify_config(device_kind=common.device_kind(),
                                              head_v_dim=bufs.head_v_dim),
              bufs.head_v_dim, block_v)
+  if rows is not None:
+    cfg = dataclasses.replace(cfg, rows=rows)   # validated: a power of two
+  cfg = dataclasses.replace(cfg, rows=math.gcd(cfg.rows, q.shape[0]))
   smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=1, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype)
   t = q.shape[1]   # the tokens' staged q, k [T, K] and v [T, BV]
   smem += t * (bufs.head_k_dim * (q.dtype.itemsize + k.dtype.itemsize)
                + cfg.block_v * v.dtype.itemsize)
+  smem *= 2 if cfg.rows > 1 else 1   # double buffers
   _require_lowerable("gdn.replay_verify[pallas_mosaic]", head_k_dim=bufs.head_k_dim,
                      head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,
                      smem=smem, ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)

@@ -27,6 +27,7 @@ so BP must be a multiple of 64 and N of 64 when compiling (``gdn_mosaic._require
 Shapes: x, z [B, H, P]; dt [B, H]; A, D, dt_bias [H]; B, C [B, G, N]; pool [Ns, H, P, N].
 Head h reads group h // (H // G).
 """
+import dataclasses
 import functools
 import math
 
@@ -40,8 +41,9 @@ from replayssm_jax import config as config_lib
 from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.mamba2.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
-from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _fit, _interpret,
-                                             _require_lowerable, _smem_bytes, _stage_head,
+from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _buffered_scratch, _fit,
+                                             _interpret, _pipeline_rows, _require_lowerable,
+                                             _row_buffers, _smem_bytes, _stage_head,
                                              _tile_after_window, _vec, _wait_all, _zeros)
 
 f32 = jnp.float32
@@ -184,50 +186,64 @@ def _stage_tokens(r, smem, tok_bars, b, h, g, tile):
     plgpu.copy_gmem_to_smem(src, smem[f"{name}_tok"], tok_bars.at[j])
 
 
-def _verify_kernel(*refs, bars, names, group, block_p, ring_size, softplus, num_tokens,
-                   tok_bars=None, **smem):
+def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens, rows,
+                   **scratch):
   """The replay kernel for T tokens (reconstruct route of speculative verify): window replayed
   into the tile, then T steps, each token appended past the window; a flushing row stores the
   tile after token 0 (committed history only). The T tokens' ``_STAGED`` vectors are TMA-staged
   with the checkpoint tile and their dt scalars loaded before the window, so both overlap its
-  replay.
+  replay. Program (pt, h, z) takes batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``:
+  with rows ≥ 2 the next row's staging overlaps the current row's work).
   A padded lane reads token 0's vectors with Δ = 0, so S is unchanged exactly and its own
   vectors (NaN allowed) are never read."""
-  r, pt, h, b, s, tile, g = _start(refs, smem, bars, names, group, block_p)
-  _stage_tokens(r, smem, tok_bars, b, h, g, tile)
-  base, count, n = r["base"][b], r["count"][b], r["lengths"][b]
-  dts = [r["dt"][b, i, h] for i in range(num_tokens)]   # a padded lane's dt is masked by Δ = 0
-  valid = s >= 0
-  S = _after_window(smem, bars, base, count, ring_size)
-  _wait_all(tok_bars, sum(name in r for name in _STAGED))
-  for i in range(num_tokens):
-    live = valid & (n > i)
-    put = (base + count + i) % ring_size
-    vec = _token_vectors(r, (b, jnp.where(live, i, 0)), h, g, tile, staged=smem)
-    dA, dx, x = _token(r, dts[i], h, vec, softplus, live)
-    S, y = _step(r, h, vec, S, dA, dx, x)
+  r = dict(zip(names, refs))
+  pt, h, z = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
+  tile, g = pl.ds(pt * block_p, block_p), h // group
+  buffers = _row_buffers(scratch, rows)
 
-    @pl.when(live)
-    def _():
-      r["y_out"][b, i, h, tile] = y.astype(r["y_out"].dtype)
-      r["ring_x"][s, h, put, tile] = dx.astype(r["ring_x"].dtype)
+  def stage(i, buf):
+    b = z * rows + i
+    _stage_head(r["state"], r["ring_B"], r["ring_x"], r["ring_a"], r["slots"][b], g, h, tile,
+                buf["S_smem"], buf["rB_smem"], buf["rx_smem"], buf["ra_smem"], buf["bars"])
+    _stage_tokens(r, buf, buf.get("tok_bars"), b, h, g, tile)
 
-      @pl.when(pt == 0)  # ΔA is per head, B per group: one program appends each
+  def verify_row(i, buf):
+    b = z * rows + i
+    s = r["slots"][b]
+    base, count, n = r["base"][b], r["count"][b], r["lengths"][b]
+    dts = [r["dt"][b, j, h] for j in range(num_tokens)]   # a padded lane's dt is masked by Δ = 0
+    valid = s >= 0
+    S = _after_window(buf, buf["bars"], base, count, ring_size)
+    _wait_all(buf.get("tok_bars"), sum(name in r for name in _STAGED))
+    for j in range(num_tokens):
+      live = valid & (n > j)
+      put = (base + count + j) % ring_size
+      vec = _token_vectors(r, (b, jnp.where(live, j, 0)), h, g, tile, staged=buf)
+      dA, dx, x = _token(r, dts[j], h, vec, softplus, live)
+      S, y = _step(r, h, vec, S, dA, dx, x)
+
+      @pl.when(live)
       def _():
-        r["ring_a"][s, h, put] = dA
+        r["y_out"][b, j, h, tile] = y.astype(r["y_out"].dtype)
+        r["ring_x"][s, h, put, tile] = dx.astype(r["ring_x"].dtype)
 
-        @pl.when(h % group == 0)
+        @pl.when(pt == 0)  # ΔA is per head, B per group: one program appends each
         def _():
-          r["ring_B"][s, g, put] = vec("B").astype(r["ring_B"].dtype)
+          r["ring_a"][s, h, put] = dA
 
-    @pl.when(~live)
-    def _():
-      r["y_out"][b, i, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
+          @pl.when(h % group == 0)
+          def _():
+            r["ring_B"][s, g, put] = vec("B").astype(r["ring_B"].dtype)
 
-    if i == 0:
-      # checkpoint ← window + token 0
-      pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, smem, S, s, h, tile))
+      @pl.when(~live)
+      def _():
+        r["y_out"][b, j, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
 
+      if j == 0:
+        # checkpoint ← window + token 0
+        pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, buf, S, s, h, tile))
+
+  _pipeline_rows(rows, buffers, stage, verify_row)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -296,13 +312,14 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
   tokens = _token_scratch(inputs, t, bp)
   kernel = functools.partial(_verify_kernel, names=(*inputs, *names, "y_out"),
                              group=h // bufs.num_groups, block_p=bp, ring_size=bufs.ring_size,
-                             softplus=dt_softplus, num_tokens=t)
+                             softplus=dt_softplus, num_tokens=t, rows=cfg.rows)
+  one = {"S_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.state.dtype), **_ring_scratch(bufs, bp),
+         **tokens, "bars": plgpu.Barrier(num_barriers=4),
+         **({"tok_bars": plgpu.Barrier(num_barriers=len(tokens))} if tokens else {})}
   y = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-      grid=(p // bp, h, batch), grid_names=("pt", "h", "b"),
-      scratch_types={"S_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.state.dtype),
-                     **_ring_scratch(bufs, bp), **tokens, "bars": plgpu.Barrier(num_barriers=4),
-                     **({"tok_bars": plgpu.Barrier(num_barriers=len(tokens))} if tokens else {})},
+      grid=(p // bp, h, batch // cfg.rows), grid_names=("pt", "h", "b"),
+      scratch_types=_buffered_scratch(one, cfg.rows),
       kernel_name="replayssm_mamba2_verify_mosaic", interpret=_interpret(interpret),
   )(*inputs.values(), *refs)
   return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
@@ -350,22 +367,25 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
 
 
 def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, D, z, dt_bias,
-                  dt_softplus, block_p=None):
+                  dt_softplus, block_p=None, rows=None):
   """ReplaySSM Mamba2 speculative verify, reconstruct route (one launch, flush stored in place).
 
   x, z [B, T, H, P]; dt [B, T, H]; B, C [B, T, G, N]; lengths int32[B]. Returns
-  (y [B, T, H, P] in x.dtype, bufs). ``block_p`` overrides the config's P tile.
+  (y [B, T, H, P] in x.dtype, bufs). ``block_p`` overrides the config's P tile, ``rows`` its
+  batch rows per program (a power of two; reduced to one that divides B).
   """
   given = _step_inputs(None, x, dt, A, B, C, D, z, dt_bias)
   cfg = _replay_tile("mamba2.replay_verify[pallas_mosaic]", config_lib.mosaic_mamba2_verify_config,
-                     bufs, block_p, tokens=lambda bp: _token_scratch(given, x.shape[1], bp))
+                     bufs, block_p, tokens=lambda bp: _token_scratch(given, x.shape[1], bp),
+                     rows=rows, batch=x.shape[0])
   return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,
                         cfg=cfg, interpret=common.interpret_mode())
 
 
-def _replay_tile(op, config, bufs, block_p, tokens=None):
+def _replay_tile(op, config, bufs, block_p, tokens=None, rows=None, batch=None):
   """The P tile of a kernel that stages the checkpoint tile, the row's ring and (verify) the
-  token scratch ``tokens(P tile)``; NotImplementedError where Mosaic cannot lower it."""
+  token scratch ``tokens(P tile)``, and (verify) its rows per program: ``rows`` or the config's,
+  reduced to a divisor of ``batch``; NotImplementedError where Mosaic cannot lower it."""
   p, n = bufs.head_dim, bufs.state_dim
   cfg = _p_tile(op, config, p, block_p)
   smem = _smem_bytes(cfg.block_v, n, heads=1, state_dtype=bufs.state.dtype,
@@ -373,6 +393,11 @@ def _replay_tile(op, config, bufs, block_p, tokens=None):
   if tokens is not None:
     smem += sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
                 for ref in tokens(cfg.block_v).values())
+  if batch is not None:
+    if rows is not None:
+      cfg = dataclasses.replace(cfg, rows=rows)   # validated: a power of two
+    cfg = dataclasses.replace(cfg, rows=math.gcd(cfg.rows, batch))
+    smem *= 2 if cfg.rows > 1 else 1   # double buffers
   _require_lowerable(op, head_k_dim=n, head_v_dim=p, block_v=cfg.block_v,
                      ring_size=bufs.ring_size, smem=smem, dims=("P", "N"),
                      ring_itemsize=jnp.dtype(bufs.ring_x.dtype).itemsize)
