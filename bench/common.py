@@ -299,8 +299,9 @@ def l2_normalize(x, axis=-1):
 # Launch configs
 
 _CFG_KEYS = {"fbv": "fold_block_v", "fbk": "fold_block_k", "fw": "fold_num_warps", "fr": "fold_rows",
-             "ft": "fold_tiles", "bv": "block_v", "bk": "block_k", "w": "num_warps", "s": "num_stages"}
-_CFG_TOKEN = re.compile(r"(fbv|fbk|fw|fr|ft|bv|bk|w|s)(\d+)")
+             "ft": "fold_tiles", "bv": "block_v", "bk": "block_k", "w": "num_warps", "s": "num_stages",
+             "r": "rows"}
+_CFG_TOKEN = re.compile(r"(fbv|fbk|fw|fr|ft|bv|bk|w|s|r)(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,8 +320,9 @@ class LaunchConfig:
 
 def parse_config(text: str) -> LaunchConfig:
   """``default`` or tokens like ``bv32w2s3`` (block_v, num_warps, num_stages), ``bk64`` (block_k of
-  the replay step) and ``fbv64fw4ft2`` (fold_block_v, fold_num_warps, fold_tiles of the replay
-  fold pass; ``fbk``, ``fr`` its block_k and row slots), e.g. ``bv64w4fbv32fw2``."""
+  the replay step), ``fbv64fw4ft2`` (fold_block_v, fold_num_warps, fold_tiles of the replay
+  fold pass; ``fbk``, ``fr`` its block_k and row slots), e.g. ``bv64w4fbv32fw2``, and ``r4``
+  (batch rows per program of the Mosaic replay kernel)."""
   text = text.strip()
   if text in ("", "default"):
     return LaunchConfig("default")
@@ -332,7 +334,7 @@ def parse_config(text: str) -> LaunchConfig:
     pos = m.end()
   if pos != len(text) or not found:
     raise ValueError(f"launch config {text!r}; expected 'default' or tokens bv<int> bk<int> w<int> "
-                     f"s<int> fbv<int> fbk<int> fw<int> fr<int> ft<int>, e.g. 'bv32w2' or 'bv64w4s2'")
+                     f"s<int> fbv<int> fbk<int> fw<int> fr<int> ft<int> r<int>, e.g. 'bv32w2' or 'bv64w4s2'")
   return LaunchConfig(text, tuple(sorted(found.items())))
 
 

@@ -162,6 +162,10 @@ def layer_op(arm: harness.Arm, cfg: common.LaunchConfig, scale: float):
     kw = cfg.kwargs()
     return lambda q, k, v, g, b, bufs, plan: gdn_triton.replay_decode(
         q, k, v, g, b, bufs, plan, scale=scale, route=arm.route, **kw)
+  if arm.impl == "pallas_mosaic" and not cfg.is_default:   # replay knobs (harness._arm_configs)
+    from replayssm_jax.pallas import gdn_mosaic  # noqa: PLC0415
+    return lambda q, k, v, g, b, bufs, plan: gdn_mosaic.replay_decode(
+        q, k, v, g, b, bufs, plan, scale=scale, route=arm.route, **cfg.kwargs())
   if arm.family == "conv":
     return lambda q, k, v, g, b, pool, slots: rs.gdn.decode(q, k, v, g, b, pool, slots, scale=scale,
                                                             implementation=arm.impl)
@@ -233,8 +237,9 @@ BENCH = harness.LayerBench(
     default_buffer_lens=(8, 16, 32), plot_L=16,
     smoke_help="tiny CPU-sized run (Hk=2, Hv=4, K=V=16, B=2, L=4, float32 state unless "
                "--state-dtypes is given): checks the harness end to end",
-    configs_help="Pallas launch configs, e.g. default,bv32w2,bv64w4s2,bv32w2fbv64fw4",
-    pallas_module="replayssm_jax.pallas.gdn_triton",
+    configs_help="Pallas launch configs, e.g. default,bv32w2,bv64w4s2,bv32w2fbv64fw4 (Triton arms) "
+                 "or r2,r4 (rows per program of the replay-mosaic arm)",
+    pallas_module="replayssm_jax.pallas.gdn_triton", mosaic_knobs=("rows",),
     bytes_model=bytes_model,
     bytes_model_doc={
         "unit": "bytes per batch row and layer-step, averaged over a full cycle",

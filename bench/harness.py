@@ -75,6 +75,8 @@ def _ref_key(case) -> tuple:
   return ("ref", case.setup, case.arm.flush_all)
 # Launch knobs of the conventional (step-only) kernels: block (V or P rows), warps, stages.
 STEP_KNOBS = ("block_v", "num_warps", "num_stages")
+# Knobs only the Mosaic kernels take (batch rows per program).
+MOSAIC_ONLY_KNOBS = ("rows",)
 _ARM_ORDER = {name: i for i, name in enumerate(ARMS)}
 _DEFAULT = common.LaunchConfig("default")
 
@@ -115,6 +117,7 @@ class LayerBench:
   smoke_help: str
   configs_help: str
   pallas_module: str         # the Pallas-Triton kernels; if it does not import, their arms are skipped
+  mosaic_knobs: tuple        # --configs knobs the family's Mosaic replay kernel takes (e.g. rows)
   bytes_model: Callable
   bytes_model_doc: dict      # the result file's "bytes_model"
   donated_sizes: Callable
@@ -454,6 +457,17 @@ def _step_config(cfg: common.LaunchConfig) -> common.LaunchConfig:
   return common.LaunchConfig(name, tuple(sorted(kw.items())))
 
 
+def _arm_configs(bench: LayerBench, arm: Arm, configs) -> list:
+  """The ``--configs`` an arm runs: a Triton arm those without a Mosaic-only knob, a Mosaic
+  replay arm those made of ``bench.mosaic_knobs`` only, other arms the default. A config that no
+  arm of the run takes is refused by ``main``."""
+  if arm.impl == "pallas_triton":
+    return [c for c in configs if not set(c.kwargs()) & set(MOSAIC_ONLY_KNOBS)]
+  if arm.impl == "pallas_mosaic" and arm.family == "replay":
+    return [c for c in configs if set(c.kwargs()) <= set(bench.mosaic_knobs)]
+  return [_DEFAULT]
+
+
 def plan_groups(bench: LayerBench, args, geo, pallas_error: str | None):
   """[(state_dtype, batch, [Case...], [skipped rows])], in run order."""
   groups = []
@@ -471,7 +485,7 @@ def plan_groups(bench: LayerBench, args, geo, pallas_error: str | None):
           if arm.family != setup.family or (arm.impl == "xla" and B not in args.xla_batches):
             continue
           heads = args.heads if bench.heads_option and arm.impl == "pallas_triton" and arm.family == "replay" else None
-          for cfg in (args.configs if arm.impl == "pallas_triton" else [_DEFAULT]):
+          for cfg in _arm_configs(bench, arm, args.configs):
             if arm.family == "conv" and not cfg.is_default:
               cfg = _step_config(cfg)
             case = Case(arm, cfg, setup, heads)
@@ -849,6 +863,12 @@ def parse_args(bench: LayerBench, argv):
   bad = [a for a in args.arms if a not in bench.arms]
   if bad:
     p.error(f"unknown arm(s) {bad}; choose from {list(bench.arms)}")
+  unused = [c.name for c in args.configs if not c.is_default
+            and not any(c in _arm_configs(bench, ARMS[a], [c]) for a in args.arms)]
+  if unused:
+    p.error(f"--configs {unused}: no arm of {args.arms} takes these knobs (Triton arms take all but "
+            f"{list(MOSAIC_ONLY_KNOBS)}; this family's Mosaic replay arm takes "
+            f"{list(bench.mosaic_knobs)})")
   if args.reps < 5:
     p.error("--reps must be >= 5")
   if args.xla_batches is None:

@@ -204,7 +204,7 @@ BENCH = harness.LayerBench(
     default_buffer_lens=(4, 8, 16), plot_L=8,
     smoke_help="tiny CPU-sized run (H=4, G=2, P=8, N=16, B=2, L=4, float32 state)",
     configs_help="Pallas launch configs: bv (block_p) bk (block_n) w s tokens, e.g. default,bv16w2",
-    pallas_module="replayssm_jax.pallas.mamba2_triton",
+    pallas_module="replayssm_jax.pallas.mamba2_triton", mosaic_knobs=(),
     bytes_model=bytes_model,
     bytes_model_doc={
         "unit": "bytes per batch row and layer-step, averaged over a full cycle",

@@ -678,12 +678,15 @@ def mosaic_decode_config(*, device_kind: str, state_dtype, head_v_dim: int) -> M
 
 def mosaic_replay_config(*, device_kind: str, state_dtype, head_v_dim: int, num_k_heads: int,
                          group: int, batch: int) -> MosaicConfig:
-  """Replay step with fused flush fold, grid (V/BV, Hk, B); r = ``group`` checkpoint tiles in SMEM."""
+  """Replay step with fused flush fold, grid (V/BV, Hk, B / rows); r = ``group`` checkpoint tiles
+  in SMEM per row in flight."""
   del state_dtype, num_k_heads, batch, group
   if _is_cpu(device_kind):
-    # Interpret mode ignores layouts: two V tiles per head cover the tile indexing.
-    return MosaicConfig(block_v=min(16, head_v_dim))
+    # Interpret mode ignores layouts: two V tiles per head cover the tile indexing; four rows per
+    # program cover the double-buffered row loop.
+    return MosaicConfig(block_v=min(16, head_v_dim), rows=4)
   # *untuned*: 64 rows; r = 2 f32 [64, 128] tiles + a 16-entry ring stay under 100 KiB of SMEM.
+  # One batch row per program until the rows sweep has run (bench/NOTES.md 73).
   return MosaicConfig(block_v=min(64, head_v_dim))
 
 
@@ -707,12 +710,10 @@ def mosaic_verify_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
   """Verify (reconstruct route), grid (V/BV, Hv, B / rows): one checkpoint tile and the row's ring
   in SMEM per row in flight."""
   # *untuned*: the replay tile, the smallest that lowers (the Triton reconstruct route ran fastest
-  # with its smallest tile, [8, K]; Mosaic's WGMMA layout cannot go below 64 rows). Rows per
-  # program: one on the H200 until measured (bench/NOTES.md 72); four on CPU so interpret mode
-  # covers the double-buffered loop.
-  tile = mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
+  # with its smallest tile, [8, K]; Mosaic's WGMMA layout cannot go below 64 rows), and its rows
+  # per program: one on the H200 until measured (bench/NOTES.md 72), four on CPU.
+  return mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
                               head_v_dim=head_v_dim, num_k_heads=1, group=1, batch=1)
-  return dataclasses.replace(tile, rows=4 if _is_cpu(device_kind) else 1)
 
 
 def mosaic_mamba2_verify_config(*, device_kind: str, head_dim: int) -> MosaicConfig:
@@ -725,6 +726,8 @@ def mosaic_mamba2_verify_config(*, device_kind: str, head_dim: int) -> MosaicCon
 
 def mosaic_materialize_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
   """Materialize, grid (V/BV, Hv, B), f32 output tile staged in SMEM."""
-  # *untuned*: the replay tile (same fold body; not on the decode hot path).
-  return mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
+  # *untuned*: the replay tile (same fold body; not on the decode hot path); one row per program
+  # (the kernel has no row loop).
+  tile = mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
                               head_v_dim=head_v_dim, num_k_heads=1, group=1, batch=1)
+  return dataclasses.replace(tile, rows=1)

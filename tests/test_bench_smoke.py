@@ -273,6 +273,23 @@ def test_verify_decode_mosaic_variants(tmp_path):
     assert r["status"] == "ok" and r["gate"]["passed"], (r["arm"], r["error"], r.get("gate"))
 
 
+def test_configs_reach_the_arms_that_take_them(capsys):
+  """--configs go to the arms whose kernels take their knobs: Triton arms all but the Mosaic-only
+  rows, GDN's Mosaic replay arm only rows (Mamba2's none); a config no arm takes is refused."""
+  from bench import common, gdn_decode, harness, mamba2_decode  # noqa: PLC0415
+  cfgs = [common.parse_config(c) for c in ("default", "r2", "ft2", "bv32r2")]
+  names = lambda bench, arm: [c.name for c in harness._arm_configs(bench, harness.ARMS[arm], cfgs)]
+  assert names(gdn_decode.BENCH, "replay-pallas-oo") == ["default", "ft2"]
+  assert names(gdn_decode.BENCH, "replay-mosaic") == ["default", "r2"]
+  assert names(gdn_decode.BENCH, "conv-mosaic") == ["default"]
+  assert names(mamba2_decode.BENCH, "replay-mosaic-rc") == ["default"]
+  for main, arms in ((gdn_decode.main, "conv-pallas,replay-pallas-oo"),
+                     (mamba2_decode.main, "replay-mosaic-rc")):
+    with pytest.raises(SystemExit):
+      main(["--smoke", "--arms", arms, "--configs", "default,r2", "--dry-run"])
+    assert "no arm of" in capsys.readouterr().err
+
+
 def test_verify_layers_keep_the_conventional_stack_int32_addressable():
   from bench import verify_decode  # noqa: PLC0415
   mamba2_super, qwen = 128 * 64 * 128, 32 * 128 * 128   # one slot's state elements

@@ -7,12 +7,15 @@ of masked loads, register-level layouts. These tests run the real kernels at pro
 (the Mosaic kernels also against the Triton ones), and check that a donated step compiles
 without copying the state pool (Mosaic: written Refs alias in place).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import replayssm_jax as rs
+from replayssm_jax import config as config_lib
 from tests.helpers import GEOMETRIES, gdn_step_f64, make_gdn_step, max_err
 
 pytestmark = pytest.mark.gpu
@@ -65,6 +68,17 @@ def test_compiled_replay_f32_matches_float64_oracle(impl, route):
   # f32 throughout; a TF32 dot anywhere would show errors near 1e-3.
   assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
   assert errs["conv"] < 5e-5 and errs["vs_triton"] < 5e-5, errs
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_compiled_mosaic_replay_rows_per_program(monkeypatch, rows):
+  """The Mosaic replay step with 2 or 4 batch rows per program (doubled SMEM buffers, the next
+  row's TMA issued before the current row computes) against float64 and the Triton kernels."""
+  real = config_lib.mosaic_replay_config
+  monkeypatch.setattr(config_lib, "mosaic_replay_config",
+                      lambda **kw: dataclasses.replace(real(**kw), rows=rows))
+  errs = _run("output_only", jnp.float32, buffer_len=4, steps=9, seed=1, impl="pallas_mosaic")
+  assert errs["replay"] < 5e-5 and errs["state"] < 5e-5 and errs["vs_triton"] < 5e-5, errs
 
 
 def test_compiled_flush_all_steps():

@@ -16,7 +16,8 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax.pallas import common, gdn_mosaic
-from tests.helpers import gdn_step_f64, lower_for_h200, make_gdn_step, max_err, tolerance
+from tests.helpers import (gdn_step_f64, lower_for_h200, make_gdn_step, max_err,
+                           run_each_setting, tolerance)
 from tests.test_gdn_pallas import _assert_close, _np, _take_rows
 from tests.test_gdn_verify_pallas import _forced_flush_with_pending_drafts, _random_accepts
 
@@ -88,6 +89,32 @@ def test_replay_decode_parity(buffer_len, state_dtype):
       assert max_err(_np(out[IMPL])[live], o64) <= tol
       assert max_err(_np(state)[live], s64) <= tol
   assert flushes >= 2 and wrapped
+
+
+def test_replay_rows_per_program_change_the_grid_not_results():
+  """The replay step with 1, 2 or 4 batch rows per program (4: two pairs, a buffer staged again
+  while the other row computes) over four rows (a padding row, staggered joins) and natural
+  flushes leaves bitwise the same buffers, and they match XLA's."""
+  rng = np.random.default_rng(13)
+  slots4, start4 = np.array([2, -1, 0, 3], np.int32), np.array([0, 0, 1, 2])
+  slots_at = lambda t: jnp.asarray(np.where(t >= start4, slots4, -1), jnp.int32)
+  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=2)
+  S0 = jnp.asarray(0.3 * rng.normal(size=(NUM_SLOTS, HV, V, K)), jnp.float32)
+
+  def decode(args, bufs, plan, rows):
+    if rows == "xla":
+      return rs.gdn.replay_decode(*args, bufs, plan, implementation="xla")
+    return gdn_mosaic.replay_decode(*args, bufs, plan, scale=K ** -0.5, rows=rows)
+
+  runs, flushed = run_each_setting(cursor, _poisoned_buffers(cursor, "float32", S0), slots_at, 6,
+                                   lambda: make_gdn_step(rng, 4, HK, HV, K, V).as_jax(), decode,
+                                   (1, 2, 4, "xla"))
+  assert flushed >= 3
+  for rows in (2, 4):
+    for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[rows])):
+      assert _same_bits(a, b), f"rows={rows}"
+  for a, b in zip(jax.tree.leaves(runs[4]), jax.tree.leaves(runs["xla"])):
+    _assert_close("rows=4 vs xla", a, b, tolerance("float32", "float32"))
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
@@ -213,7 +240,8 @@ P_HK, P_HV, P_K, P_V, P_B, P_N, P_L = 16, 32, 128, 128, 8, 16, 16
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kernel", ["decode", "replay", "materialize", "verify", "verify_rows4"])
+@pytest.mark.parametrize("kernel", ["decode", "replay", "replay_rows4", "materialize", "verify",
+                                    "verify_rows4"])
 def test_lowers_for_h200(kernel, state_dtype):
   bf16 = jnp.bfloat16
   slots = jnp.asarray(np.r_[np.arange(P_B - 1), -1], jnp.int32)
@@ -242,10 +270,14 @@ def test_lowers_for_h200(kernel, state_dtype):
       lengths = jnp.full((P_B,), 4, jnp.int32)
       verify = lambda b, p, *x: gdn_mosaic.replay_verify(*x, b, p, lengths, scale=1.0, rows=4)
     text = lower_for_h200(verify, (0,), bufs, cursor.plan(slots, num_tokens=4), *tokens)
-  else:
+  elif kernel == "replay":
     text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation=IMPL),
                   (0,), bufs, cursor.plan(slots), *step)
+  else:   # four rows per program: doubled SMEM buffers, the next row staged during this one
+    text = lower_for_h200(lambda b, p, *x: gdn_mosaic.replay_decode(*x, b, p, scale=1.0, rows=4),
+                          (0,), bufs, cursor.plan(slots), *step)
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
   # Written Refs alias their donated buffers: pool (decode); state and three rings (replay, verify).
-  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "materialize": 0,
-                                               "verify": 4, "verify_rows4": 4}[kernel]
+  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "replay_rows4": 4,
+                                               "materialize": 0, "verify": 4,
+                                               "verify_rows4": 4}[kernel]

@@ -160,17 +160,30 @@ def _tile_after_window(S_smem, rk_smem, ru_smem, rg_smem, bars, base, length, ri
   return _fold_window(S, rk_smem, ru_smem.at[0], rg_smem.at[0], base, length, ring_size)
 
 
+def _num_buffers(rows: int) -> int:
+  """SMEM buffer sets of a program taking ``rows`` batch rows: two (one row staged while another
+  computes) when rows ≥ 2."""
+  return 2 if rows > 1 else 1
+
+
+def _with_rows(cfg, rows, batch: int):
+  """``cfg`` with ``rows`` batch rows per program (None: the config's; validated by MosaicConfig: a
+  power of two), reduced to one that divides ``batch``."""
+  if rows is not None:
+    cfg = dataclasses.replace(cfg, rows=rows)
+  return dataclasses.replace(cfg, rows=math.gcd(cfg.rows, batch))
+
+
 def _buffered_scratch(one: dict, rows: int) -> dict:
-  """The scratch of one row in flight, once per buffer: twice (names suffixed 0 and 1) when a
-  program takes ``rows`` ≥ 2 rows, else once (suffix 0). Each buffer is its own allocation, so
-  every TMA destination keeps its alignment (see ``_stage_ring``)."""
-  return {f"{name}{i}": shape for i in range(2 if rows > 1 else 1) for name, shape in one.items()}
+  """The scratch of one row in flight, once per buffer set (names suffixed 0, 1). Each buffer is
+  its own allocation, so every TMA destination keeps its alignment (see ``_stage_ring``)."""
+  return {f"{name}{i}": shape for i in range(_num_buffers(rows)) for name, shape in one.items()}
 
 
 def _row_buffers(scratch: dict, rows: int) -> list[dict]:
-  """``_buffered_scratch``'s refs as one dict per buffer, keyed by the unsuffixed names."""
+  """``_buffered_scratch``'s refs as one dict per buffer set, keyed by the unsuffixed names."""
   return [{name[:-1]: ref for name, ref in scratch.items() if name.endswith(str(i))}
-          for i in range(2 if rows > 1 else 1)]
+          for i in range(_num_buffers(rows))]
 
 
 def _pipeline_rows(rows: int, buffers: list[dict], stage, process):
@@ -199,87 +212,97 @@ def _pipeline_rows(rows: int, buffers: list[dict], stage, process):
 
 def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref, v_ref, g_ref,
                         beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
-                        S_smem, rk_smem, ru_smem, rg_smem, bars,
-                        *, scale, group, block_v, ring_size):
-  vt, hk, b = lax.axis_index("vt"), lax.axis_index("hk"), lax.axis_index("b")
-  s = slots_ref[b]
-  ss = jnp.maximum(s, 0)   # padding rows stage slot 0 (harmless) and write nothing
+                        *, scale, group, block_v, ring_size, rows, **scratch):
+  """Program (vt, hk, z) steps batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
+  rows ≥ 2 the next row's staging overlaps the current row's work)."""
+  vt, hk, z = lax.axis_index("vt"), lax.axis_index("hk"), lax.axis_index("b")
   tile = pl.ds(vt * block_v, block_v)
   heads = [hk * group + i for i in range(group)]
   nbar = 2 + group          # ring barriers (see _stage_ring); then one per checkpoint tile
-  for i, h in enumerate(heads):
-    # S_smem.at[i] starts at i·BV·K·itemsize bytes: a multiple of 128 (BV, K multiples of 64).
-    plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], S_smem.at[i], bars.at[nbar + i])
-  _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, hk, hk * group, group, tile, rk_smem,
-              ru_smem, rg_smem, bars)
-  base, count = base_ref[b], count_ref[b]
-  put = (base + count) % ring_size                                 # token 0's ring index
-  k = _vec(k_ref.at[b, hk], _ROW_K)
-  q = _vec(q_ref.at[b, hk], _ROW_K) * scale
-  kq = jnp.sum(k * q)
-  _wait_all(bars, nbar)
 
-  # Window, output-only: acc_x ← e^{g_j} acc_x + (k_j·x) u_j per head; the key ring is read once
-  # per key head for all r value heads. G = Σ_j g_j.
-  def entry(j, carry):
-    acc_k, acc_q, G = carry
-    p = (base + j) % ring_size
-    kj = _vec(rk_smem.at[p], _ROW_K)
-    ck, cq = jnp.sum(kj * k), jnp.sum(kj * q)
-    gj = [rg_smem[i, p] for i in range(group)]
-    uj = [_vec(ru_smem.at[i, p], _COL_V) for i in range(group)]
-    return (tuple(jnp.exp(g) * a + ck * u for g, a, u in zip(gj, acc_k, uj)),
-            tuple(jnp.exp(g) * a + cq * u for g, a, u in zip(gj, acc_q, uj)),
-            tuple(Gi + g for Gi, g in zip(G, gj)))
-  zero = tuple(_zeros(block_v) for _ in range(group))
-  acc_k, acc_q, G = lax.fori_loop(0, count, entry, (zero, zero, (jnp.float32(0.0),) * group))
-  for i in range(group):
-    plgpu.barrier_wait(bars.at[nbar + i])
+  def stage(i, buf):
+    ss = jnp.maximum(slots_ref[z * rows + i], 0)   # padding rows stage slot 0, write nothing
+    for j, h in enumerate(heads):
+      # S_smem.at[j] starts at j·BV·K·itemsize bytes: a multiple of 128 (BV, K multiples of 64).
+      plgpu.copy_gmem_to_smem(state_ref.at[ss, h, tile], buf["S_smem"].at[j],
+                              buf["bars"].at[nbar + j])
+    _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, ss, hk, hk * group, group, tile,
+                buf["rk_smem"], buf["ru_smem"], buf["rg_smem"], buf["bars"])
 
-  valid = s >= 0
-  flush = valid & (flush_ref[b] != 0)
-  rdt = ring_u_ref.dtype
+  def step_row(i, buf):
+    b = z * rows + i
+    s = slots_ref[b]
+    S_smem, rk_smem, ru_smem, rg_smem, bars = (buf[name] for name in (
+        "S_smem", "rk_smem", "ru_smem", "rg_smem", "bars"))
+    base, count = base_ref[b], count_ref[b]
+    put = (base + count) % ring_size                               # token 0's ring index
+    k = _vec(k_ref.at[b, hk], _ROW_K)
+    q = _vec(q_ref.at[b, hk], _ROW_K) * scale
+    kq = jnp.sum(k * q)
+    _wait_all(bars, nbar)
 
-  def head(i, h):  # value head h = hk·r + i
-    Sc = plgpu.load(S_smem.at[i], layout=_TILE).astype(f32)        # [BV, K]
-    decay = jnp.exp(G[i])
-    Sk = decay * jnp.sum(Sc * k[None, :], axis=1) + acc_k[i]
-    Sq = decay * jnp.sum(Sc * q[None, :], axis=1) + acc_q[i]
-    g = g_ref[b, h].astype(f32)
-    alpha = jnp.exp(g)
-    u = beta_ref[b, h].astype(f32) * (_vec(v_ref.at[b, h, tile], _COL_V) - alpha * Sk)
-    o = alpha * Sq + u * kq
+    # Window, output-only: acc_x ← e^{g_j} acc_x + (k_j·x) u_j per head; the key ring is read
+    # once per key head for all r value heads. G = Σ_j g_j.
+    def entry(j, carry):
+      acc_k, acc_q, G = carry
+      p = (base + j) % ring_size
+      kj = _vec(rk_smem.at[p], _ROW_K)
+      ck, cq = jnp.sum(kj * k), jnp.sum(kj * q)
+      gj = [rg_smem[i, p] for i in range(group)]
+      uj = [_vec(ru_smem.at[i, p], _COL_V) for i in range(group)]
+      return (tuple(jnp.exp(g) * a + ck * u for g, a, u in zip(gj, acc_k, uj)),
+              tuple(jnp.exp(g) * a + cq * u for g, a, u in zip(gj, acc_q, uj)),
+              tuple(Gi + g for Gi, g in zip(G, gj)))
+    zero = tuple(_zeros(block_v) for _ in range(group))
+    acc_k, acc_q, G = lax.fori_loop(0, count, entry, (zero, zero, (jnp.float32(0.0),) * group))
+    for j in range(group):
+      plgpu.barrier_wait(bars.at[nbar + j])
 
-    @pl.when(valid)
-    def _():
-      o_ref[b, h, tile] = o.astype(o_ref.dtype)
-      ring_u_ref[s, h, put, tile] = u.astype(rdt)
+    valid = s >= 0
+    flush = valid & (flush_ref[b] != 0)
+    rdt = ring_u_ref.dtype
 
-      @pl.when(vt == 0)  # k and g are per head, not per V tile: one program appends them
+    def head(i, h):  # value head h = hk·r + i
+      Sc = plgpu.load(S_smem.at[i], layout=_TILE).astype(f32)        # [BV, K]
+      decay = jnp.exp(G[i])
+      Sk = decay * jnp.sum(Sc * k[None, :], axis=1) + acc_k[i]
+      Sq = decay * jnp.sum(Sc * q[None, :], axis=1) + acc_q[i]
+      g = g_ref[b, h].astype(f32)
+      alpha = jnp.exp(g)
+      u = beta_ref[b, h].astype(f32) * (_vec(v_ref.at[b, h, tile], _COL_V) - alpha * Sk)
+      o = alpha * Sq + u * kq
+
+      @pl.when(valid)
       def _():
-        ring_g_ref[s, h, put] = g
+        o_ref[b, h, tile] = o.astype(o_ref.dtype)
+        ring_u_ref[s, h, put, tile] = u.astype(rdt)
 
-    @pl.when(~valid)
+        @pl.when(vt == 0)  # k and g are per head, not per V tile: one program appends them
+        def _():
+          ring_g_ref[s, h, put] = g
+
+      @pl.when(~valid)
+      def _():
+        o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+
+      @pl.when(flush)
+      def _():
+        # Checkpoint ← fold(window) then token 0, with u and k rounded as the ring stores them.
+        S = _fold_window(Sc, rk_smem, ru_smem.at[i], rg_smem.at[i], base, count, ring_size)
+        kr = k.astype(ring_k_ref.dtype).astype(f32)
+        S = alpha * S + u.astype(rdt).astype(f32)[:, None] * kr[None, :]
+        S_smem[i] = S.astype(S_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(S_smem.at[i], state_ref.at[s, h, tile])
+
+    for i, h in enumerate(heads):
+      head(i, h)
+
+    @pl.when(valid & (vt == 0))
     def _():
-      o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+      ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
 
-    @pl.when(flush)
-    def _():
-      # Checkpoint ← fold(window) then token 0, with u and k rounded as the ring stores them.
-      S = _fold_window(Sc, rk_smem, ru_smem.at[i], rg_smem.at[i], base, count, ring_size)
-      kr = k.astype(ring_k_ref.dtype).astype(f32)
-      S = alpha * S + u.astype(rdt).astype(f32)[:, None] * kr[None, :]
-      S_smem[i] = S.astype(S_smem.dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(S_smem.at[i], state_ref.at[s, h, tile])
-
-  for i, h in enumerate(heads):
-    head(i, h)
-
-  @pl.when(valid & (vt == 0))
-  def _():
-    ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
-
+  _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -423,14 +446,14 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
   hv, vd, kd = bufs.num_v_heads, bufs.head_v_dim, bufs.head_k_dim
   group, bv = hv // hk, cfg.block_v
   kernel = functools.partial(_replay_step_kernel, scale=scale, group=group, block_v=bv,
-                             ring_size=bufs.ring_size)
+                             ring_size=bufs.ring_size, rows=cfg.rows)
   refs = [jax.new_ref(x) for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)]
+  one = dict(S_smem=plgpu.SMEM((group, bv, kd), bufs.state.dtype),
+             **_ring_scratch(bufs, group, bv), bars=plgpu.Barrier(num_barriers=2 + 2 * group))
   o = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
-      grid=(vd // bv, hk, batch), grid_names=("vt", "hk", "b"),
-      scratch_types=dict(S_smem=plgpu.SMEM((group, bv, kd), bufs.state.dtype),
-                         **_ring_scratch(bufs, group, bv),
-                         bars=plgpu.Barrier(num_barriers=2 + 2 * group)),
+      grid=(vd // bv, hk, batch // cfg.rows), grid_names=("vt", "hk", "b"),
+      scratch_types=_buffered_scratch(one, cfg.rows),
       kernel_name="replayssm_gdn_replay_mosaic", interpret=_interpret(interpret),
   )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), q, k, v, g, beta, *refs)
   state, ring_k, ring_u, ring_g = (jax.freeze(r) for r in refs)
@@ -542,11 +565,12 @@ def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None):
 
 
 def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, scale, route="auto",
-                  block_v=None):
+                  block_v=None, rows=None):
   """ReplaySSM GDN decode (one token per row), flush fold fused. Returns (o [B, Hv, V], bufs).
 
   Output-only route only ("reconstruct" raises NotImplementedError). ``block_v`` overrides the
-  config's V tile.
+  config's V tile, ``rows`` its batch rows per program (a power of two; reduced to one that
+  divides B).
   """
   op = "gdn.replay_decode[pallas_mosaic]"
   if plan.num_tokens != 1:
@@ -558,8 +582,10 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
   cfg = _fit(config_lib.mosaic_replay_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_v_dim=bufs.head_v_dim,
       num_k_heads=bufs.num_k_heads, group=group, batch=q.shape[0]), bufs.head_v_dim, block_v)
-  smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=group, state_dtype=bufs.state.dtype,
-                     ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype)
+  cfg = _with_rows(cfg, rows, q.shape[0])
+  smem = _num_buffers(cfg.rows) * _smem_bytes(
+      cfg.block_v, bufs.head_k_dim, heads=group, state_dtype=bufs.state.dtype,
+      ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype)
   _require_lowerable(op, head_k_dim=bufs.head_k_dim, head_v_dim=bufs.head_v_dim,
                      block_v=cfg.block_v, ring_size=bufs.ring_size, smem=smem,
                      ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
@@ -578,15 +604,13 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
   cfg = _fit(config_lib.mosaic_verify_config(device_kind=common.device_kind(),
                                              head_v_dim=bufs.head_v_dim),
              bufs.head_v_dim, block_v)
-  if rows is not None:
-    cfg = dataclasses.replace(cfg, rows=rows)   # validated: a power of two
-  cfg = dataclasses.replace(cfg, rows=math.gcd(cfg.rows, q.shape[0]))
+  cfg = _with_rows(cfg, rows, q.shape[0])
   smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=1, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype)
   t = q.shape[1]   # the tokens' staged q, k [T, K] and v [T, BV]
   smem += t * (bufs.head_k_dim * (q.dtype.itemsize + k.dtype.itemsize)
                + cfg.block_v * v.dtype.itemsize)
-  smem *= 2 if cfg.rows > 1 else 1   # double buffers
+  smem *= _num_buffers(cfg.rows)
   _require_lowerable("gdn.replay_verify[pallas_mosaic]", head_k_dim=bufs.head_k_dim,
                      head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,
                      smem=smem, ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)

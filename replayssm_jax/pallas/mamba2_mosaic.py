@@ -27,7 +27,6 @@ so BP must be a multiple of 64 and N of 64 when compiling (``gdn_mosaic._require
 Shapes: x, z [B, H, P]; dt [B, H]; A, D, dt_bias [H]; B, C [B, G, N]; pool [Ns, H, P, N].
 Head h reads group h // (H // G).
 """
-import dataclasses
 import functools
 import math
 
@@ -42,9 +41,10 @@ from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.mamba2.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
 from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _buffered_scratch, _fit,
-                                             _interpret, _pipeline_rows, _require_lowerable,
-                                             _row_buffers, _smem_bytes, _stage_head,
-                                             _tile_after_window, _vec, _wait_all, _zeros)
+                                             _interpret, _num_buffers, _pipeline_rows,
+                                             _require_lowerable, _row_buffers, _smem_bytes,
+                                             _stage_head, _tile_after_window, _vec, _wait_all,
+                                             _with_rows, _zeros)
 
 f32 = jnp.float32
 _ROW_N, _COL_P = _ROW_K, _COL_V   # the GDN [V, K] tile's layouts, read as Mamba2's [P, N]
@@ -394,10 +394,8 @@ def _replay_tile(op, config, bufs, block_p, tokens=None, rows=None, batch=None):
     smem += sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
                 for ref in tokens(cfg.block_v).values())
   if batch is not None:
-    if rows is not None:
-      cfg = dataclasses.replace(cfg, rows=rows)   # validated: a power of two
-    cfg = dataclasses.replace(cfg, rows=math.gcd(cfg.rows, batch))
-    smem *= 2 if cfg.rows > 1 else 1   # double buffers
+    cfg = _with_rows(cfg, rows, batch)
+    smem *= _num_buffers(cfg.rows)
   _require_lowerable(op, head_k_dim=n, head_v_dim=p, block_v=cfg.block_v,
                      ring_size=bufs.ring_size, smem=smem, dims=("P", "N"),
                      ring_itemsize=jnp.dtype(bufs.ring_x.dtype).itemsize)
