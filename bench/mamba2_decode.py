@@ -144,6 +144,11 @@ def layer_op(case: harness.Case):
     return lambda x, dt, B, C, z, pr, bufs, plan: mamba2_triton.replay_decode(
         x, dt, pr["A"], B, C, bufs, plan, D=pr["D"], z=z, dt_bias=pr["dt_bias"], dt_softplus=True,
         route=arm.route, heads=case.heads, **kw)
+  if arm.impl == "pallas_mosaic" and not cfg.is_default:   # replay knobs (harness._arm_configs)
+    from replayssm_jax.pallas import mamba2_mosaic  # noqa: PLC0415
+    return lambda x, dt, B, C, z, pr, bufs, plan: mamba2_mosaic.replay_decode(
+        x, dt, pr["A"], B, C, bufs, plan, D=pr["D"], z=z, dt_bias=pr["dt_bias"], dt_softplus=True,
+        route=arm.route, **cfg.kwargs())
   if arm.family == "conv":
     return lambda x, dt, B, C, z, pr, pool, slots: rs.mamba2.decode(
         x, dt, pr["A"], B, C, pool, slots, D=pr["D"], z=z, dt_bias=pr["dt_bias"],
@@ -204,7 +209,7 @@ BENCH = harness.LayerBench(
     default_buffer_lens=(4, 8, 16), plot_L=8,
     smoke_help="tiny CPU-sized run (H=4, G=2, P=8, N=16, B=2, L=4, float32 state)",
     configs_help="Pallas launch configs: bv (block_p) bk (block_n) w s tokens, e.g. default,bv16w2",
-    pallas_module="replayssm_jax.pallas.mamba2_triton", mosaic_knobs=(),
+    pallas_module="replayssm_jax.pallas.mamba2_triton", mosaic_knobs=("rows",),
     bytes_model=bytes_model,
     bytes_model_doc={
         "unit": "bytes per batch row and layer-step, averaged over a full cycle",

@@ -700,10 +700,13 @@ def mosaic_mamba2_decode_config(*, device_kind: str, head_dim: int) -> MosaicCon
 
 
 def mosaic_mamba2_replay_config(*, device_kind: str, head_dim: int) -> MosaicConfig:
-  """Mamba2 replay step (reconstruct route, flush fused), grid (P/BP, H, B); ``block_v`` holds BP."""
+  """Mamba2 replay step (reconstruct route, flush fused), grid (P/BP, H, B / rows); ``block_v``
+  holds BP."""
   # *untuned*: the decode's tile; the staged ring (R·(N + BP) entries) fits beside an f32
-  # [64, 128] tile for R ≤ 128 within the SMEM budget.
-  return mosaic_mamba2_decode_config(device_kind=device_kind, head_dim=head_dim)
+  # [64, 128] tile for R ≤ 128 within the SMEM budget. Rows per program as GDN's replay: one on
+  # the H200 until measured (bench/NOTES.md 73), four on CPU for the double-buffered loop.
+  tile = mosaic_mamba2_decode_config(device_kind=device_kind, head_dim=head_dim)
+  return dataclasses.replace(tile, rows=4 if _is_cpu(device_kind) else 1)
 
 
 def mosaic_verify_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
@@ -718,10 +721,8 @@ def mosaic_verify_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
 
 def mosaic_mamba2_verify_config(*, device_kind: str, head_dim: int) -> MosaicConfig:
   """Mamba2 verify (reconstruct route), grid (P/BP, H, B / rows); ``block_v`` holds BP."""
-  # *untuned*: the replay kernel's tile (the same program, stepping T tokens). Rows per program as
-  # GDN's verify: one on the H200 until measured, four on CPU for the double-buffered loop.
-  tile = mosaic_mamba2_replay_config(device_kind=device_kind, head_dim=head_dim)
-  return dataclasses.replace(tile, rows=4 if _is_cpu(device_kind) else 1)
+  # *untuned*: the replay kernel's tile and rows per program (the same program, stepping T tokens).
+  return mosaic_mamba2_replay_config(device_kind=device_kind, head_dim=head_dim)
 
 
 def mosaic_materialize_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:

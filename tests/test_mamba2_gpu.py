@@ -5,12 +5,15 @@ register-level layouts. These tests run the real kernels at production geometry 
 H 128, P 64, N 128, G 8; Nemotron-3-Nano's P = 80 once) against the independent float64 oracle
 across flushes, and check that a donated step compiles without copying the state pool.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import replayssm_jax as rs
+from replayssm_jax import config as config_lib
 from tests.helpers import max_err
 from tests.test_mamba2_ops import make_params, make_step, mamba2_step_f64
 
@@ -79,6 +82,17 @@ def test_compiled_mosaic_kernels_match_float64_oracle(state_dtype):
     assert max(errs.values()) < 5e-5, errs
   else:   # the bf16 pool of the conventional arm rounds every step; replay's checkpoint per flush
     assert errs["replay"] < 5e-2 and errs["state"] < 5e-2, errs
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_compiled_mosaic_replay_rows_per_program(monkeypatch, rows):
+  """The Mosaic replay step with 2 or 4 batch rows per program (doubled SMEM buffers, the next
+  row's TMA issued before the current row computes) against float64."""
+  real = config_lib.mosaic_mamba2_replay_config
+  monkeypatch.setattr(config_lib, "mosaic_mamba2_replay_config",
+                      lambda **kw: dataclasses.replace(real(**kw), rows=rows))
+  errs = _run("reconstruct", jnp.float32, 4, steps=10, seed=6, implementation="pallas_mosaic")
+  assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
 
 
 def test_compiled_replay_bf16_state():

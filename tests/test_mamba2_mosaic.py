@@ -79,6 +79,37 @@ def test_verify_long_windows_parity():
   assert longest >= 8, longest
 
 
+def test_replay_rows_per_program_change_the_grid_not_results():
+  """The replay step with 1, 2 or 4 batch rows per program (4: two pairs, a buffer staged again
+  while the other row computes) over four rows (a padding row, staggered joins) and natural
+  flushes leaves bitwise the same buffers, and they match XLA's."""
+  from tests.helpers import run_each_setting
+  rng = np.random.default_rng(14)
+  _, jp = _params(rng)
+  slots4, start4 = np.array([2, -1, 0, 3], np.int32), np.array([0, 0, 1, 2])
+  slots_at = lambda t: jnp.asarray(np.where(t >= start4, slots4, -1), jnp.int32)
+  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=2)
+  first = _poisoned_buffers(cursor, P, "float32", _initial_states(rng, P, jnp.float32))
+
+  def decode(a, bufs, plan, rows):
+    kw = dict(D=jp["D"], z=a["z"], dt_bias=jp["dt_bias"])
+    if rows == "xla":
+      return rs.mamba2.replay_decode(a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs, plan,
+                                     implementation="xla", **kw)
+    return mamba2_mosaic.replay_decode(a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs, plan,
+                                       dt_softplus=True, rows=rows, **kw)
+
+  runs, flushed = run_each_setting(cursor, first, slots_at, 6,
+                                   lambda: make_step(rng, 4, H, G, P, N).as_jax(), decode,
+                                   (1, 2, 4, "xla"))
+  assert flushed >= 3
+  for rows in (2, 4):
+    for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[rows])):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"rows={rows}"
+  for a, b in zip(jax.tree.leaves(runs[4]), jax.tree.leaves(runs["xla"])):
+    _assert_close("rows=4 vs xla", a, b, tolerance("float32", "float32"))
+
+
 def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
   """1, 2 or 4 batch rows per verify program (4: two pairs, a buffer staged again while the other
   row computes) leave bitwise the same checkpoints and rings after steps with natural and forced
@@ -137,7 +168,7 @@ def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
     ("decode", "float32", 8, "nano"), ("replay", "float32", 16, "super"),
     ("replay", "bfloat16", 8, "super"), ("replay", "float32", 8, "nano"),
     ("verify", "float32", 8, "super"), ("verify", "bfloat16", 8, "super"),
-    ("verify_rows4", "float32", 8, "super")])
+    ("verify_rows4", "float32", 8, "super"), ("replay_rows4", "float32", 8, "super")])
 def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   """Super (P 64, N 128): one Mosaic kernel, every donated buffer updated in place (pool; state
   and the three rings). Nano (P 80): no 64-row tile divides P, so compiling refuses it
@@ -162,10 +193,14 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
       verify = lambda b, p, x, dt, A, B, C: mamba2_mosaic.replay_verify(
           x, dt, A, B, C, b, p, lengths, z=x, dt_softplus=True, rows=4, **extra)
     lower = lambda: lower_for_h200(verify, (0,), bufs, cursor.plan(slots, num_tokens=4), *tokens)
-  else:
+  elif kernel == "replay":
     lower = lambda: lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
         x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra), (0,), bufs, cursor.plan(slots),
         *step)
+  else:   # four rows per program: doubled SMEM buffers, the next row staged during this one
+    lower = lambda: lower_for_h200(lambda b, p, x, dt, A, B, C: mamba2_mosaic.replay_decode(
+        x, dt, A, B, C, b, p, z=x, dt_softplus=True, rows=4, **extra), (0,), bufs,
+        cursor.plan(slots), *step)
   if geometry == "nano":
     with pytest.raises(NotImplementedError, match="P=80"):
       lower()
@@ -173,7 +208,7 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   text = lower()
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
   assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "verify": 4,
-                                               "verify_rows4": 4}[kernel]
+                                               "verify_rows4": 4, "replay_rows4": 4}[kernel]
 
 
 def test_softplus_without_log1p_is_f32_accurate():

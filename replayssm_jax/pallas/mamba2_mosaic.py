@@ -119,16 +119,11 @@ def _decode_kernel(*refs, S_smem, bar, names, group, block_p, softplus):
     r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
 
 
-def _start(refs, smem, bars, names, group, block_p):
-  """A replay or verify program's start: its refs by name and indices (r, pt, h, b, slot, tile,
-  group), with the TMA of the checkpoint tile and the row's ring (B of the group, ΔA and Δx of
-  the head) issued by GDN's ``_stage_head`` (the rings are the same recurrence)."""
-  r = dict(zip(names, refs))
-  pt, h, b = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
-  s, tile, g = r["slots"][b], pl.ds(pt * block_p, block_p), h // group
-  _stage_head(r["state"], r["ring_B"], r["ring_x"], r["ring_a"], s, g, h, tile, smem["S_smem"],
-              smem["rB_smem"], smem["rx_smem"], smem["ra_smem"], bars)
-  return r, pt, h, b, s, tile, g
+def _stage_row(r, buf, b, h, g, tile):
+  """TMA of row b's checkpoint tile and ring (B of group g, ΔA and Δx of head h) into ``buf``, by
+  GDN's ``_stage_head`` (the rings are the same recurrence)."""
+  _stage_head(r["state"], r["ring_B"], r["ring_x"], r["ring_a"], r["slots"][b], g, h, tile,
+              buf["S_smem"], buf["rB_smem"], buf["rx_smem"], buf["ra_smem"], buf["bars"])
 
 
 def _after_window(smem, bars, base, count, ring_size):
@@ -144,36 +139,46 @@ def _store_checkpoint(r, smem, S, s, h, tile):
   plgpu.copy_smem_to_gmem(smem["S_smem"], r["state"].at[s, h, tile])
 
 
-def _replay_kernel(*refs, bars, names, group, block_p, ring_size, softplus, **smem):
-  r, pt, h, b, s, tile, g = _start(refs, smem, bars, names, group, block_p)
-  base, count = r["base"][b], r["count"][b]
-  put = (base + count) % ring_size                                 # this token's ring index
-  vec = _token_vectors(r, (b,), h, g, tile)
-  dA, dx, x = _token(r, r["dt"][b, h], h, vec, softplus)          # loads overlap the TMA
-  S = _after_window(smem, bars, base, count, ring_size)
-  S, y = _step(r, h, vec, S, dA, dx, x)
-  valid = s >= 0
+def _replay_kernel(*refs, names, group, block_p, ring_size, softplus, rows, **scratch):
+  """Program (pt, h, z) steps batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
+  rows ≥ 2 the next row's staging overlaps the current row's work)."""
+  r = dict(zip(names, refs))
+  pt, h, z = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
+  tile, g = pl.ds(pt * block_p, block_p), h // group
 
-  @pl.when(valid)
-  def _():
-    r["y_out"][b, h, tile] = y.astype(r["y_out"].dtype)
-    r["ring_x"][s, h, put, tile] = dx.astype(r["ring_x"].dtype)
+  def step_row(i, buf):
+    b = z * rows + i
+    s = r["slots"][b]
+    base, count = r["base"][b], r["count"][b]
+    put = (base + count) % ring_size                               # this token's ring index
+    vec = _token_vectors(r, (b,), h, g, tile)
+    dA, dx, x = _token(r, r["dt"][b, h], h, vec, softplus)        # loads overlap the TMA
+    S = _after_window(buf, buf["bars"], base, count, ring_size)
+    S, y = _step(r, h, vec, S, dA, dx, x)
+    valid = s >= 0
 
-    @pl.when(pt == 0)  # ΔA is per head, B per group, not per P tile: one program appends each
+    @pl.when(valid)
     def _():
-      r["ring_a"][s, h, put] = dA
+      r["y_out"][b, h, tile] = y.astype(r["y_out"].dtype)
+      r["ring_x"][s, h, put, tile] = dx.astype(r["ring_x"].dtype)
 
-      @pl.when(h % group == 0)
+      @pl.when(pt == 0)  # ΔA is per head, B per group, not per P tile: one program appends each
       def _():
-        r["ring_B"][s, g, put] = _vec(r["B"].at[b, g], _ROW_N).astype(r["ring_B"].dtype)
+        r["ring_a"][s, h, put] = dA
 
-  @pl.when(~valid)
-  def _():
-    r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
+        @pl.when(h % group == 0)
+        def _():
+          r["ring_B"][s, g, put] = _vec(r["B"].at[b, g], _ROW_N).astype(r["ring_B"].dtype)
 
-  # checkpoint ← window + this token
-  pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, smem, S, s, h, tile))
+    @pl.when(~valid)
+    def _():
+      r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
 
+    # checkpoint ← window + this token
+    pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, buf, S, s, h, tile))
+
+  _pipeline_rows(rows, _row_buffers(scratch, rows),
+                 lambda i, buf: _stage_row(r, buf, z * rows + i, h, g, tile), step_row)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -203,8 +208,7 @@ def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens
 
   def stage(i, buf):
     b = z * rows + i
-    _stage_head(r["state"], r["ring_B"], r["ring_x"], r["ring_a"], r["slots"][b], g, h, tile,
-                buf["S_smem"], buf["rB_smem"], buf["rx_smem"], buf["ra_smem"], buf["bars"])
+    _stage_row(r, buf, b, h, g, tile)
     _stage_tokens(r, buf, buf.get("tok_bars"), b, h, g, tile)
 
   def verify_row(i, buf):
@@ -289,12 +293,13 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
   refs = [jax.new_ref(getattr(bufs, k)) for k in names]   # written Refs: updated in place
   kernel = functools.partial(_replay_kernel, names=(*inputs, *names, "y_out"),
                              group=h // bufs.num_groups, block_p=bp, ring_size=r,
-                             softplus=dt_softplus)
+                             softplus=dt_softplus, rows=cfg.rows)
+  one = {"S_smem": plgpu.SMEM((bp, n), bufs.state.dtype), **_ring_scratch(bufs, bp),
+         "bars": plgpu.Barrier(num_barriers=4)}
   y = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-      grid=(p // bp, h, batch), grid_names=("pt", "h", "b"),
-      scratch_types={"S_smem": plgpu.SMEM((bp, n), bufs.state.dtype), **_ring_scratch(bufs, bp),
-                     "bars": plgpu.Barrier(num_barriers=4)},
+      grid=(p // bp, h, batch // cfg.rows), grid_names=("pt", "h", "b"),
+      scratch_types=_buffered_scratch(one, cfg.rows),
       kernel_name="replayssm_mamba2_replay_mosaic", interpret=_interpret(interpret),
   )(*inputs.values(), *refs)
   return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
@@ -349,11 +354,12 @@ def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=N
 
 
 def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z, dt_bias,
-                  dt_softplus, route="auto", block_p=None):
+                  dt_softplus, route="auto", block_p=None, rows=None):
   """ReplaySSM Mamba2 decode (one token per row) on the reconstruct route, flush fused.
 
   ``route`` "auto" or "reconstruct" ("output_only" raises NotImplementedError); ``block_p``
-  overrides the config's P tile. Returns (y [B, H, P] in x.dtype, bufs).
+  overrides the config's P tile, ``rows`` its batch rows per program (a power of two; reduced to
+  one that divides B). Returns (y [B, H, P] in x.dtype, bufs).
   """
   op = "mamba2.replay_decode[pallas_mosaic]"
   if plan.num_tokens != 1:
@@ -361,7 +367,8 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
                               f"supported by this kernel")
   if route == "output_only":
     raise NotImplementedError(f"{op}: only the reconstruct route is implemented")
-  cfg = _replay_tile(op, config_lib.mosaic_mamba2_replay_config, bufs, block_p)
+  cfg = _replay_tile(op, config_lib.mosaic_mamba2_replay_config, bufs, block_p, rows=rows,
+                     batch=x.shape[0])
   return _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
                         cfg=cfg, interpret=common.interpret_mode())
 
@@ -384,8 +391,8 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
 
 def _replay_tile(op, config, bufs, block_p, tokens=None, rows=None, batch=None):
   """The P tile of a kernel that stages the checkpoint tile, the row's ring and (verify) the
-  token scratch ``tokens(P tile)``, and (verify) its rows per program: ``rows`` or the config's,
-  reduced to a divisor of ``batch``; NotImplementedError where Mosaic cannot lower it."""
+  token scratch ``tokens(P tile)``, and its rows per program (``rows`` or the config's, reduced
+  to a divisor of ``batch``); NotImplementedError where Mosaic cannot lower it."""
   p, n = bufs.head_dim, bufs.state_dim
   cfg = _p_tile(op, config, p, block_p)
   smem = _smem_bytes(cfg.block_v, n, heads=1, state_dtype=bufs.state.dtype,
