@@ -162,8 +162,11 @@ def layer_op(arm: harness.Arm, cfg: common.LaunchConfig, scale: float):
     kw = cfg.kwargs()
     return lambda q, k, v, g, b, bufs, plan: gdn_triton.replay_decode(
         q, k, v, g, b, bufs, plan, scale=scale, route=arm.route, **kw)
-  if arm.impl == "pallas_mosaic" and not cfg.is_default:   # replay knobs (harness._arm_configs)
+  if arm.impl == "pallas_mosaic" and not cfg.is_default:   # rows (harness._arm_configs)
     from replayssm_jax.pallas import gdn_mosaic  # noqa: PLC0415
+    if arm.family == "conv":
+      return lambda q, k, v, g, b, pool, slots: gdn_mosaic.decode(q, k, v, g, b, pool, slots,
+                                                                  scale=scale, **cfg.kwargs())
     return lambda q, k, v, g, b, bufs, plan: gdn_mosaic.replay_decode(
         q, k, v, g, b, bufs, plan, scale=scale, route=arm.route, **cfg.kwargs())
   if arm.family == "conv":
@@ -238,7 +241,7 @@ BENCH = harness.LayerBench(
     smoke_help="tiny CPU-sized run (Hk=2, Hv=4, K=V=16, B=2, L=4, float32 state unless "
                "--state-dtypes is given): checks the harness end to end",
     configs_help="Pallas launch configs, e.g. default,bv32w2,bv64w4s2,bv32w2fbv64fw4 (Triton arms) "
-                 "or r2,r4 (rows per program of the replay-mosaic arm)",
+                 "or r2,r4 (batch rows per program of the Mosaic arms)",
     pallas_module="replayssm_jax.pallas.gdn_triton", mosaic_knobs=("rows",),
     bytes_model=bytes_model,
     bytes_model_doc={

@@ -117,7 +117,7 @@ class LayerBench:
   smoke_help: str
   configs_help: str
   pallas_module: str         # the Pallas-Triton kernels; if it does not import, their arms are skipped
-  mosaic_knobs: tuple        # --configs knobs the family's Mosaic replay kernel takes (e.g. rows)
+  mosaic_knobs: tuple        # --configs knobs the family's Mosaic kernels take (e.g. rows)
   bytes_model: Callable
   bytes_model_doc: dict      # the result file's "bytes_model"
   donated_sizes: Callable
@@ -458,12 +458,12 @@ def _step_config(cfg: common.LaunchConfig) -> common.LaunchConfig:
 
 
 def _arm_configs(bench: LayerBench, arm: Arm, configs) -> list:
-  """The ``--configs`` an arm runs: a Triton arm those without a Mosaic-only knob, a Mosaic
-  replay arm those made of ``bench.mosaic_knobs`` only, other arms the default. A config that no
-  arm of the run takes is refused by ``main``."""
+  """The ``--configs`` an arm runs: a Triton arm those without a Mosaic-only knob, a Mosaic arm
+  those made of ``bench.mosaic_knobs`` only, an XLA arm the default. A config that no arm of the
+  run takes is refused by ``main``."""
   if arm.impl == "pallas_triton":
     return [c for c in configs if not set(c.kwargs()) & set(MOSAIC_ONLY_KNOBS)]
-  if arm.impl == "pallas_mosaic" and arm.family == "replay":
+  if arm.impl == "pallas_mosaic":
     return [c for c in configs if set(c.kwargs()) <= set(bench.mosaic_knobs)]
   return [_DEFAULT]
 
@@ -486,7 +486,7 @@ def plan_groups(bench: LayerBench, args, geo, pallas_error: str | None):
             continue
           heads = args.heads if bench.heads_option and arm.impl == "pallas_triton" and arm.family == "replay" else None
           for cfg in _arm_configs(bench, arm, args.configs):
-            if arm.family == "conv" and not cfg.is_default:
+            if arm.family == "conv" and arm.impl == "pallas_triton" and not cfg.is_default:
               cfg = _step_config(cfg)
             case = Case(arm, cfg, setup, heads)
             if (case.label, setup) in seen:
@@ -867,8 +867,7 @@ def parse_args(bench: LayerBench, argv):
             and not any(c in _arm_configs(bench, ARMS[a], [c]) for a in args.arms)]
   if unused:
     p.error(f"--configs {unused}: no arm of {args.arms} takes these knobs (Triton arms take all but "
-            f"{list(MOSAIC_ONLY_KNOBS)}; this family's Mosaic replay arm takes "
-            f"{list(bench.mosaic_knobs)})")
+            f"{list(MOSAIC_ONLY_KNOBS)}; this family's Mosaic arms take {list(bench.mosaic_knobs)})")
   if args.reps < 5:
     p.error("--reps must be >= 5")
   if args.xla_batches is None:

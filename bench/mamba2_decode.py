@@ -144,8 +144,12 @@ def layer_op(case: harness.Case):
     return lambda x, dt, B, C, z, pr, bufs, plan: mamba2_triton.replay_decode(
         x, dt, pr["A"], B, C, bufs, plan, D=pr["D"], z=z, dt_bias=pr["dt_bias"], dt_softplus=True,
         route=arm.route, heads=case.heads, **kw)
-  if arm.impl == "pallas_mosaic" and not cfg.is_default:   # replay knobs (harness._arm_configs)
+  if arm.impl == "pallas_mosaic" and not cfg.is_default:   # rows (harness._arm_configs)
     from replayssm_jax.pallas import mamba2_mosaic  # noqa: PLC0415
+    if arm.family == "conv":
+      return lambda x, dt, B, C, z, pr, pool, slots: mamba2_mosaic.decode(
+          x, dt, pr["A"], B, C, pool, slots, D=pr["D"], z=z, dt_bias=pr["dt_bias"],
+          dt_softplus=True, **cfg.kwargs())
     return lambda x, dt, B, C, z, pr, bufs, plan: mamba2_mosaic.replay_decode(
         x, dt, pr["A"], B, C, bufs, plan, D=pr["D"], z=z, dt_bias=pr["dt_bias"], dt_softplus=True,
         route=arm.route, **cfg.kwargs())

@@ -670,9 +670,11 @@ def mosaic_decode_config(*, device_kind: str, state_dtype, head_v_dim: int) -> M
   """Conventional decode, grid (V/BV, Hv, B)."""
   del state_dtype
   if _is_cpu(device_kind):
-    # Interpret mode ignores layouts: a 16-row tile gives CPU tests two V tiles per head.
-    return MosaicConfig(block_v=min(16, head_v_dim))
+    # Interpret mode ignores layouts: a 16-row tile gives CPU tests two V tiles per head; four rows
+    # per program cover the double-buffered row loop.
+    return MosaicConfig(block_v=min(16, head_v_dim), rows=4)
   # *untuned*: the 64-row WGMMA tile is the smallest that lowers; more programs per SM for latency.
+  # One batch row per program until the rows sweep has run (bench/NOTES.md 74).
   return MosaicConfig(block_v=min(64, head_v_dim))
 
 
@@ -693,9 +695,11 @@ def mosaic_replay_config(*, device_kind: str, state_dtype, head_v_dim: int, num_
 def mosaic_mamba2_decode_config(*, device_kind: str, head_dim: int) -> MosaicConfig:
   """Conventional Mamba2 decode, grid (P/BP, H, B); ``block_v`` holds BP."""
   if _is_cpu(device_kind):
-    # Interpret mode ignores layouts: a 16-row tile gives CPU tests two P tiles per head.
-    return MosaicConfig(block_v=min(16, head_dim))
-  # *untuned*: the 64-row WGMMA tile, the smallest that lowers (GDN's Mosaic decode tile).
+    # Interpret mode ignores layouts: a 16-row tile gives CPU tests two P tiles per head; four rows
+    # per program cover the double-buffered row loop.
+    return MosaicConfig(block_v=min(16, head_dim), rows=4)
+  # *untuned*: the 64-row WGMMA tile, the smallest that lowers (GDN's Mosaic decode tile); one
+  # batch row per program until the rows sweep has run (bench/NOTES.md 74).
   return MosaicConfig(block_v=min(64, head_dim))
 
 
@@ -703,10 +707,8 @@ def mosaic_mamba2_replay_config(*, device_kind: str, head_dim: int) -> MosaicCon
   """Mamba2 replay step (reconstruct route, flush fused), grid (P/BP, H, B / rows); ``block_v``
   holds BP."""
   # *untuned*: the decode's tile; the staged ring (R·(N + BP) entries) fits beside an f32
-  # [64, 128] tile for R ≤ 128 within the SMEM budget. Rows per program as GDN's replay: one on
-  # the H200 until measured (bench/NOTES.md 73), four on CPU for the double-buffered loop.
-  tile = mosaic_mamba2_decode_config(device_kind=device_kind, head_dim=head_dim)
-  return dataclasses.replace(tile, rows=4 if _is_cpu(device_kind) else 1)
+  # [64, 128] tile for R ≤ 128 within the SMEM budget, and its rows per program.
+  return mosaic_mamba2_decode_config(device_kind=device_kind, head_dim=head_dim)
 
 
 def mosaic_verify_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:

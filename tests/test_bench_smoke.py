@@ -275,16 +275,17 @@ def test_verify_decode_mosaic_variants(tmp_path):
 
 def test_configs_reach_the_arms_that_take_them(capsys):
   """--configs go to the arms whose kernels take their knobs: Triton arms all but the Mosaic-only
-  rows, the Mosaic replay arms only rows; a config no arm takes is refused."""
+  rows, the Mosaic arms only rows; a config no arm takes is refused."""
   from bench import common, gdn_decode, harness, mamba2_decode  # noqa: PLC0415
   cfgs = [common.parse_config(c) for c in ("default", "r2", "ft2", "bv32r2")]
   names = lambda bench, arm: [c.name for c in harness._arm_configs(bench, harness.ARMS[arm], cfgs)]
   assert names(gdn_decode.BENCH, "replay-pallas-oo") == ["default", "ft2"]
   assert names(gdn_decode.BENCH, "replay-mosaic") == ["default", "r2"]
-  assert names(gdn_decode.BENCH, "conv-mosaic") == ["default"]
+  assert names(gdn_decode.BENCH, "conv-mosaic") == ["default", "r2"]
+  assert names(gdn_decode.BENCH, "replay-xla") == ["default"]
   assert names(mamba2_decode.BENCH, "replay-mosaic-rc") == ["default", "r2"]
   for main, arms in ((gdn_decode.main, "conv-pallas,replay-pallas-oo"),
-                     (mamba2_decode.main, "conv-mosaic,replay-pallas-rc")):
+                     (mamba2_decode.main, "conv-xla,replay-pallas-rc")):
     with pytest.raises(SystemExit):
       main(["--smoke", "--arms", arms, "--configs", "default,r2", "--dry-run"])
     assert "no arm of" in capsys.readouterr().err

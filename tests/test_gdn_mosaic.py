@@ -117,6 +117,30 @@ def test_replay_rows_per_program_change_the_grid_not_results():
     _assert_close("rows=4 vs xla", a, b, tolerance("float32", "float32"))
 
 
+def test_decode_rows_per_program_change_the_grid_not_results():
+  """The conventional step with 1, 2 or 4 batch rows per program over four rows (a padding row,
+  permuted slots), three steps: bitwise the same pools and outputs, and XLA's within f32."""
+  rng = np.random.default_rng(15)
+  slots = jnp.asarray([3, -1, 0, 2], jnp.int32)
+  pool0 = jnp.asarray(0.3 * rng.normal(size=(NUM_SLOTS, HV, V, K)), jnp.float32)
+  steps = [make_gdn_step(rng, 4, HK, HV, K, V).as_jax() for _ in range(3)]
+  runs = {}
+  for rows in (1, 2, 4, "xla"):
+    pool, outs = pool0, []
+    for args in steps:
+      if rows == "xla":
+        o, pool = rs.gdn.decode(*args, pool, slots, implementation="xla")
+      else:
+        o, pool = gdn_mosaic.decode(*args, pool, slots, scale=K ** -0.5, rows=rows)
+      outs.append(o)
+    runs[rows] = (pool, outs)
+  for rows in (2, 4):
+    for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[rows])):
+      assert _same_bits(a, b), f"rows={rows}"
+  for a, b in zip(jax.tree.leaves(runs[4]), jax.tree.leaves(runs["xla"])):
+    _assert_close("rows=4 vs xla", a, b, tolerance("float32", "float32"))
+
+
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 def test_decode_parity(state_dtype):
   tol = tolerance(state_dtype, state_dtype)
@@ -240,8 +264,8 @@ P_HK, P_HV, P_K, P_V, P_B, P_N, P_L = 16, 32, 128, 128, 8, 16, 16
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kernel", ["decode", "replay", "replay_rows4", "materialize", "verify",
-                                    "verify_rows4"])
+@pytest.mark.parametrize("kernel", ["decode", "decode_rows4", "replay", "replay_rows4",
+                                    "materialize", "verify", "verify_rows4"])
 def test_lowers_for_h200(kernel, state_dtype):
   bf16 = jnp.bfloat16
   slots = jnp.asarray(np.r_[np.arange(P_B - 1), -1], jnp.int32)
@@ -255,6 +279,9 @@ def test_lowers_for_h200(kernel, state_dtype):
   if kernel == "decode":
     text = lower_for_h200(lambda pool, s, *x: rs.gdn.decode(*x, pool, s, implementation=IMPL),
                   (0,), bufs.state, slots, *step)
+  elif kernel == "decode_rows4":
+    text = lower_for_h200(lambda pool, s, *x: gdn_mosaic.decode(*x, pool, s, scale=1.0, rows=4),
+                          (0,), bufs.state, slots, *step)
   elif kernel == "materialize":
     text = lower_for_h200(lambda b, c, s: rs.gdn.materialize(b, c, s, implementation=IMPL),
                   (), bufs, cursor, slots)
@@ -278,6 +305,7 @@ def test_lowers_for_h200(kernel, state_dtype):
                           (0,), bufs, cursor.plan(slots), *step)
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
   # Written Refs alias their donated buffers: pool (decode); state and three rings (replay, verify).
-  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "replay_rows4": 4,
+  assert text.count("tf.aliasing_output") == {"decode": 1, "decode_rows4": 1, "replay": 4,
+                                               "replay_rows4": 4,
                                                "materialize": 0, "verify": 4,
                                                "verify_rows4": 4}[kernel]

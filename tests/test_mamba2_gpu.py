@@ -85,14 +85,14 @@ def test_compiled_mosaic_kernels_match_float64_oracle(state_dtype):
 
 
 @pytest.mark.parametrize("rows", [2, 4])
-def test_compiled_mosaic_replay_rows_per_program(monkeypatch, rows):
-  """The Mosaic replay step with 2 or 4 batch rows per program (doubled SMEM buffers, the next
-  row's TMA issued before the current row computes) against float64."""
-  real = config_lib.mosaic_mamba2_replay_config
-  monkeypatch.setattr(config_lib, "mosaic_mamba2_replay_config",
+def test_compiled_mosaic_rows_per_program(monkeypatch, rows):
+  """The Mosaic replay step and conventional decode with 2 or 4 batch rows per program (doubled
+  SMEM buffers, the next row's TMA issued before the current row computes) against float64."""
+  real = config_lib.mosaic_mamba2_decode_config   # the replay and verify tiles derive from it
+  monkeypatch.setattr(config_lib, "mosaic_mamba2_decode_config",
                       lambda **kw: dataclasses.replace(real(**kw), rows=rows))
   errs = _run("reconstruct", jnp.float32, 4, steps=10, seed=6, implementation="pallas_mosaic")
-  assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
+  assert max(errs.values()) < 5e-5, errs
 
 
 def test_compiled_replay_bf16_state():

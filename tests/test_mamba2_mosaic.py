@@ -79,6 +79,34 @@ def test_verify_long_windows_parity():
   assert longest >= 8, longest
 
 
+def test_decode_rows_per_program_change_the_grid_not_results():
+  """The conventional step with 1, 2 or 4 batch rows per program over four rows (a padding row,
+  permuted slots), three steps: bitwise the same pools and outputs, and XLA's within f32."""
+  rng = np.random.default_rng(16)
+  _, jp = _params(rng)
+  slots = jnp.asarray([3, -1, 0, 2], jnp.int32)
+  pool0 = _initial_states(rng, P, jnp.float32)
+  steps = [make_step(rng, 4, H, G, P, N).as_jax() for _ in range(3)]
+  runs = {}
+  for rows in (1, 2, 4, "xla"):
+    pool, outs = pool0, []
+    for a in steps:
+      kw = dict(D=jp["D"], z=a["z"], dt_bias=jp["dt_bias"])
+      if rows == "xla":
+        y, pool = rs.mamba2.decode(a["x"], a["dt"], jp["A"], a["B"], a["C"], pool, slots,
+                                   implementation="xla", **kw)
+      else:
+        y, pool = mamba2_mosaic.decode(a["x"], a["dt"], jp["A"], a["B"], a["C"], pool, slots,
+                                       dt_softplus=True, rows=rows, **kw)
+      outs.append(y)
+    runs[rows] = (pool, outs)
+  for rows in (2, 4):
+    for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[rows])):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"rows={rows}"
+  for a, b in zip(jax.tree.leaves(runs[4]), jax.tree.leaves(runs["xla"])):
+    _assert_close("rows=4 vs xla", a, b, tolerance("float32", "float32"))
+
+
 def test_replay_rows_per_program_change_the_grid_not_results():
   """The replay step with 1, 2 or 4 batch rows per program (4: two pairs, a buffer staged again
   while the other row computes) over four rows (a padding row, staggered joins) and natural
@@ -168,7 +196,8 @@ def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
     ("decode", "float32", 8, "nano"), ("replay", "float32", 16, "super"),
     ("replay", "bfloat16", 8, "super"), ("replay", "float32", 8, "nano"),
     ("verify", "float32", 8, "super"), ("verify", "bfloat16", 8, "super"),
-    ("verify_rows4", "float32", 8, "super"), ("replay_rows4", "float32", 8, "super")])
+    ("verify_rows4", "float32", 8, "super"), ("replay_rows4", "float32", 8, "super"),
+    ("decode_rows4", "float32", 8, "super")])
 def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   """Super (P 64, N 128): one Mosaic kernel, every donated buffer updated in place (pool; state
   and the three rings). Nano (P 80): no 64-row tile divides P, so compiling refuses it
@@ -178,6 +207,10 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   if kernel == "decode":
     lower = lambda: lower_for_h200(lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
         x, dt, A, B, C, pool, s, z=x, implementation=IMPL, **extra), (0,), bufs.state, slots, *step)
+  elif kernel == "decode_rows4":
+    lower = lambda: lower_for_h200(lambda pool, s, x, dt, A, B, C: mamba2_mosaic.decode(
+        x, dt, A, B, C, pool, s, z=x, dt_softplus=True, rows=4, **extra), (0,), bufs.state, slots,
+        *step)
   elif kernel.startswith("verify"):   # T = 4 tokens per row
     cursor = rs.ReplayCursor.create(cursor.num_slots, buffer_len=buffer_len, max_draft=3)
     bufs = rs.mamba2.ReplayBuffers.create(cursor.num_slots, cursor, num_heads=bufs.num_heads,
@@ -208,7 +241,8 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   text = lower()
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
   assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "verify": 4,
-                                               "verify_rows4": 4, "replay_rows4": 4}[kernel]
+                                               "verify_rows4": 4, "replay_rows4": 4,
+                                               "decode_rows4": 1}[kernel]
 
 
 def test_softplus_without_log1p_is_f32_accurate():

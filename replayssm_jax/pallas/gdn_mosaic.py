@@ -86,35 +86,45 @@ def _fold_window(S, rk_smem, ru_smem, rg_smem, base, length, ring_size):
 # ----------------------------------------------------------------------------------------------
 
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref,
-                   S_smem, bar, *, scale, group, block_v):
-  vt, h, b = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
-  s = slots_ref[b]
+                   *, scale, group, block_v, rows, **scratch):
+  """Program (vt, h, z) steps batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
+  rows ≥ 2 the next row's tile is staged while the current row computes)."""
+  vt, h, z = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
   tile = pl.ds(vt * block_v, block_v)
-  # Padding rows gather slot 0 (harmless) and never write: one TMA/barrier path for every row.
-  plgpu.copy_gmem_to_smem(pool_ref.at[jnp.maximum(s, 0), h, tile], S_smem, bar)
   hk = h // group
-  k = _vec(k_ref.at[b, hk], _ROW_K)
-  q = _vec(q_ref.at[b, hk], _ROW_K) * scale
-  v = _vec(v_ref.at[b, h, tile], _COL_V)
-  alpha = jnp.exp(g_ref[b, h].astype(f32))
-  beta = beta_ref[b, h].astype(f32)
-  plgpu.barrier_wait(bar)
-  S = plgpu.load(S_smem, layout=_TILE).astype(f32)                 # [BV, K]
-  u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
-  S = alpha * S + u[:, None] * k[None, :]
-  o = jnp.sum(S * q[None, :], axis=1)
 
-  @pl.when(s >= 0)
-  def _():
-    o_ref[b, h, tile] = o.astype(o_ref.dtype)
-    S_smem[...] = S.astype(S_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(S_smem, pool_ref.at[s, h, tile])
-    plgpu.wait_smem_to_gmem(0)
+  def stage(i, buf):
+    # Padding rows gather slot 0 (harmless) and never write: one TMA/barrier path for every row.
+    s = slots_ref[z * rows + i]
+    plgpu.copy_gmem_to_smem(pool_ref.at[jnp.maximum(s, 0), h, tile], buf["S_smem"], buf["bar"])
 
-  @pl.when(s < 0)
-  def _():
-    o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+  def step_row(i, buf):
+    b = z * rows + i
+    s = slots_ref[b]
+    k = _vec(k_ref.at[b, hk], _ROW_K)
+    q = _vec(q_ref.at[b, hk], _ROW_K) * scale
+    v = _vec(v_ref.at[b, h, tile], _COL_V)
+    alpha = jnp.exp(g_ref[b, h].astype(f32))
+    beta = beta_ref[b, h].astype(f32)
+    plgpu.barrier_wait(buf["bar"])
+    S = plgpu.load(buf["S_smem"], layout=_TILE).astype(f32)          # [BV, K]
+    u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
+    S = alpha * S + u[:, None] * k[None, :]
+    o = jnp.sum(S * q[None, :], axis=1)
+
+    @pl.when(s >= 0)
+    def _():
+      o_ref[b, h, tile] = o.astype(o_ref.dtype)
+      buf["S_smem"][...] = S.astype(buf["S_smem"].dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(buf["S_smem"], pool_ref.at[s, h, tile])
+
+    @pl.when(s < 0)
+    def _():
+      o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+
+  _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, s, hk, h0, heads, tile, rk_smem, ru_smem,
@@ -428,13 +438,13 @@ def _ring_scratch(bufs: ReplayBuffers, heads: int, block_v: int):
 def _decode(q, k, v, g, beta, pool, slots, *, scale, cfg, interpret):
   batch, hv, vd = v.shape
   kernel = functools.partial(_decode_kernel, scale=scale, group=hv // q.shape[1],
-                             block_v=cfg.block_v)
+                             block_v=cfg.block_v, rows=cfg.rows)
   pool_ref = jax.new_ref(pool)   # written Ref operand: updated in place (aliased under donation)
+  one = {"S_smem": plgpu.SMEM((cfg.block_v, pool.shape[-1]), pool.dtype), "bar": plgpu.Barrier()}
   o = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
-      grid=(vd // cfg.block_v, hv, batch), grid_names=("vt", "h", "b"),
-      scratch_types={"S_smem": plgpu.SMEM((cfg.block_v, pool.shape[-1]), pool.dtype),
-                     "bar": plgpu.Barrier()},
+      grid=(vd // cfg.block_v, hv, batch // cfg.rows), grid_names=("vt", "h", "b"),
+      scratch_types=_buffered_scratch(one, cfg.rows),
       kernel_name="replayssm_gdn_decode_mosaic", interpret=_interpret(interpret),
   )(slots, q, k, v, g, beta, pool_ref)
   return o, jax.freeze(pool_ref)
@@ -549,17 +559,20 @@ def _fit(cfg, head_v_dim, block_v):
                                               head_v_dim))
 
 
-def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None):
+def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None, rows=None):
   """Conventional GDN decode step over a slot pool. Returns (o [B, Hv, V] in v.dtype, pool).
 
-  ``block_v`` overrides the config's V tile.
+  ``block_v`` overrides the config's V tile, ``rows`` its batch rows per program (a power of
+  two; reduced to one that divides B).
   """
   _, _, vd, kd = pool.shape
   cfg = _fit(config_lib.mosaic_decode_config(device_kind=common.device_kind(),
                                              state_dtype=pool.dtype, head_v_dim=vd), vd, block_v)
+  cfg = _with_rows(cfg, rows, q.shape[0])
   _require_lowerable("gdn.decode[pallas_mosaic]", head_k_dim=kd, head_v_dim=vd,
                      block_v=cfg.block_v, ring_size=0,
-                     smem=_smem_bytes(cfg.block_v, kd, heads=1, state_dtype=pool.dtype))
+                     smem=_num_buffers(cfg.rows) * _smem_bytes(cfg.block_v, kd, heads=1,
+                                                               state_dtype=pool.dtype))
   return _decode(q, k, v, g, beta, pool, slots, scale=float(scale), cfg=cfg,
                  interpret=common.interpret_mode())
 

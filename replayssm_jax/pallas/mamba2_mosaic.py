@@ -95,28 +95,38 @@ def _step_inputs(slots, x, dt, A, B, C, D, z, dt_bias) -> dict:
   return {k: v for k, v in given.items() if v is not None}
 
 
-def _decode_kernel(*refs, S_smem, bar, names, group, block_p, softplus):
+def _decode_kernel(*refs, names, group, block_p, softplus, rows, **scratch):
+  """Program (pt, h, z) steps batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
+  rows ≥ 2 the next row's tile is staged while the current row computes)."""
   r = dict(zip(names, refs))
-  pt, h, b = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
-  s = r["slots"][b]
+  pt, h, z = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
   tile = pl.ds(pt * block_p, block_p)
-  plgpu.copy_gmem_to_smem(r["pool"].at[jnp.maximum(s, 0), h, tile], S_smem, bar)
-  vec = _token_vectors(r, (b,), h, h // group, tile)
-  dA, dx, x = _token(r, r["dt"][b, h], h, vec, softplus)
-  plgpu.barrier_wait(bar)
-  S, y = _step(r, h, vec, plgpu.load(S_smem, layout=_TILE).astype(f32), dA, dx, x)
 
-  @pl.when(s >= 0)
-  def _():
-    r["y_out"][b, h, tile] = y.astype(r["y_out"].dtype)
-    S_smem[...] = S.astype(S_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(S_smem, r["pool"].at[s, h, tile])
-    plgpu.wait_smem_to_gmem(0)
+  def stage(i, buf):
+    s = r["slots"][z * rows + i]
+    plgpu.copy_gmem_to_smem(r["pool"].at[jnp.maximum(s, 0), h, tile], buf["S_smem"], buf["bar"])
 
-  @pl.when(s < 0)
-  def _():
-    r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
+  def step_row(i, buf):
+    b = z * rows + i
+    s = r["slots"][b]
+    vec = _token_vectors(r, (b,), h, h // group, tile)
+    dA, dx, x = _token(r, r["dt"][b, h], h, vec, softplus)
+    plgpu.barrier_wait(buf["bar"])
+    S, y = _step(r, h, vec, plgpu.load(buf["S_smem"], layout=_TILE).astype(f32), dA, dx, x)
+
+    @pl.when(s >= 0)
+    def _():
+      r["y_out"][b, h, tile] = y.astype(r["y_out"].dtype)
+      buf["S_smem"][...] = S.astype(buf["S_smem"].dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(buf["S_smem"], r["pool"].at[s, h, tile])
+
+    @pl.when(s < 0)
+    def _():
+      r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
+
+  _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _stage_row(r, buf, b, h, g, tile):
@@ -272,12 +282,13 @@ def _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, *, dt_softplus, cfg, int
   inputs = _step_inputs(slots, x, dt, A, B, C, D, z, dt_bias)
   pool_ref = jax.new_ref(pool)   # written Ref operand: updated in place (aliased under donation)
   kernel = functools.partial(_decode_kernel, names=(*inputs, "pool", "y_out"),
-                             group=h // B.shape[1], block_p=cfg.block_v, softplus=dt_softplus)
+                             group=h // B.shape[1], block_p=cfg.block_v, softplus=dt_softplus,
+                             rows=cfg.rows)
+  one = {"S_smem": plgpu.SMEM((cfg.block_v, pool.shape[-1]), pool.dtype), "bar": plgpu.Barrier()}
   y = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-      grid=(p // cfg.block_v, h, batch), grid_names=("pt", "h", "b"),
-      scratch_types={"S_smem": plgpu.SMEM((cfg.block_v, pool.shape[-1]), pool.dtype),
-                     "bar": plgpu.Barrier()},
+      grid=(p // cfg.block_v, h, batch // cfg.rows), grid_names=("pt", "h", "b"),
+      scratch_types=_buffered_scratch(one, cfg.rows),
       kernel_name="replayssm_mamba2_decode_mosaic", interpret=_interpret(interpret),
   )(*inputs.values(), pool_ref)
   return y, jax.freeze(pool_ref)
@@ -338,17 +349,20 @@ def _p_tile(op, config, head_dim, block_p):
   return cfg
 
 
-def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=None):
+def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=None, rows=None):
   """Conventional Mamba2 decode step over a slot pool. Returns (y [B, H, P] in x.dtype, pool).
 
-  ``block_p`` overrides the config's P tile (rows of the [BP, N] state tile per program).
+  ``block_p`` overrides the config's P tile (rows of the [BP, N] state tile per program),
+  ``rows`` its batch rows per program (a power of two; reduced to one that divides B).
   """
   op = "mamba2.decode[pallas_mosaic]"
   _, _, p, n = pool.shape
-  cfg = _p_tile(op, config_lib.mosaic_mamba2_decode_config, p, block_p)
+  cfg = _with_rows(_p_tile(op, config_lib.mosaic_mamba2_decode_config, p, block_p), rows,
+                   x.shape[0])
   _require_lowerable(op, head_k_dim=n, head_v_dim=p,
                      block_v=cfg.block_v, ring_size=0, dims=("P", "N"),
-                     smem=_smem_bytes(cfg.block_v, n, heads=1, state_dtype=pool.dtype))
+                     smem=_num_buffers(cfg.rows) * _smem_bytes(cfg.block_v, n, heads=1,
+                                                               state_dtype=pool.dtype))
   return _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, dt_softplus=dt_softplus, cfg=cfg,
                  interpret=common.interpret_mode())
 
