@@ -113,6 +113,22 @@ def run_each_setting(cursor, bufs, slots_at, steps: int, make_args, decode, sett
   return runs, flushed
 
 
+def assert_rows_agree(runs: dict):
+  """``runs`` maps a kernel's batch rows per program (1, 2, 4) and "xla" to the pytree (buffers,
+  outputs) left by the same steps: every rows setting equals rows = 1 bit for bit, and rows = 4
+  equals XLA's (where given) within float32 tolerance, NaN patterns included."""
+  import jax
+  first = jax.tree.leaves(runs[1])
+  for rows in (2, 4):
+    for a, b in zip(first, jax.tree.leaves(runs[rows])):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"rows={rows} vs rows=1"
+  for a, b in zip(jax.tree.leaves(runs[4]), jax.tree.leaves(runs.get("xla", runs[4]))):
+    a, b = (np.asarray(jnp.asarray(x).astype(jnp.float32)) for x in (a, b))
+    assert np.array_equal(np.isnan(a), np.isnan(b)), "rows=4 vs xla: NaN patterns differ"
+    assert max_err(np.nan_to_num(a), np.nan_to_num(b)) <= tolerance("float32", "float32"), \
+        "rows=4 vs xla"
+
+
 def lower_for_h200(fn, donate, *args) -> str:
   """StableHLO text of ``jax.jit(fn, donate_argnums=donate)`` lowered for an abstract H200 with
   the Pallas kernels built for real (not interpreted): notes/pallas-gpu.md §4. Shows what

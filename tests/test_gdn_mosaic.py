@@ -16,8 +16,8 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax.pallas import common, gdn_mosaic
-from tests.helpers import (gdn_step_f64, lower_for_h200, make_gdn_step, max_err,
-                           run_each_setting, tolerance)
+from tests.helpers import (assert_rows_agree, gdn_step_f64, lower_for_h200, make_gdn_step,
+                           max_err, run_each_setting, tolerance)
 from tests.test_gdn_pallas import _assert_close, _np, _take_rows
 from tests.test_gdn_verify_pallas import _forced_flush_with_pending_drafts, _random_accepts
 
@@ -110,11 +110,7 @@ def test_replay_rows_per_program_change_the_grid_not_results():
                                    lambda: make_gdn_step(rng, 4, HK, HV, K, V).as_jax(), decode,
                                    (1, 2, 4, "xla"))
   assert flushed >= 3
-  for rows in (2, 4):
-    for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[rows])):
-      assert _same_bits(a, b), f"rows={rows}"
-  for a, b in zip(jax.tree.leaves(runs[4]), jax.tree.leaves(runs["xla"])):
-    _assert_close("rows=4 vs xla", a, b, tolerance("float32", "float32"))
+  assert_rows_agree(runs)
 
 
 def test_decode_rows_per_program_change_the_grid_not_results():
@@ -134,11 +130,7 @@ def test_decode_rows_per_program_change_the_grid_not_results():
         o, pool = gdn_mosaic.decode(*args, pool, slots, scale=K ** -0.5, rows=rows)
       outs.append(o)
     runs[rows] = (pool, outs)
-  for rows in (2, 4):
-    for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[rows])):
-      assert _same_bits(a, b), f"rows={rows}"
-  for a, b in zip(jax.tree.leaves(runs[4]), jax.tree.leaves(runs["xla"])):
-    _assert_close("rows=4 vs xla", a, b, tolerance("float32", "float32"))
+  assert_rows_agree(runs)
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
@@ -213,9 +205,7 @@ def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
       h.step(_rows(rng, t), lengths=rng.integers(1, 3, size=4), force=rng.random(4) < 0.2)
     finals[rows], flushes[rows] = h.bufs[IMPL], int(h.flushes.sum())
   assert flushes[1] >= 3
-  for rows in (2, 4):
-    for a, b in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[rows])):
-      assert _same_bits(a, b), f"rows={rows}"
+  assert_rows_agree(finals)
   with pytest.raises(ValueError, match="rows=3"):
     dataclasses.replace(real(device_kind="cpu", head_v_dim=V), rows=3)
 

@@ -15,7 +15,7 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax.pallas import common, mamba2_mosaic
-from tests.helpers import lower_for_h200, tolerance
+from tests.helpers import assert_rows_agree, lower_for_h200, tolerance
 from tests.test_mamba2_ops import make_step
 from tests.test_mamba2_pallas import (NANO, NUM_SLOTS, SLOTS, SUPER, H, G, N, _assert_close,
                                       _initial_states, _params, _poisoned_buffers, _production,
@@ -100,11 +100,7 @@ def test_decode_rows_per_program_change_the_grid_not_results():
                                        dt_softplus=True, rows=rows, **kw)
       outs.append(y)
     runs[rows] = (pool, outs)
-  for rows in (2, 4):
-    for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[rows])):
-      assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"rows={rows}"
-  for a, b in zip(jax.tree.leaves(runs[4]), jax.tree.leaves(runs["xla"])):
-    _assert_close("rows=4 vs xla", a, b, tolerance("float32", "float32"))
+  assert_rows_agree(runs)
 
 
 def test_replay_rows_per_program_change_the_grid_not_results():
@@ -131,11 +127,7 @@ def test_replay_rows_per_program_change_the_grid_not_results():
                                    lambda: make_step(rng, 4, H, G, P, N).as_jax(), decode,
                                    (1, 2, 4, "xla"))
   assert flushed >= 3
-  for rows in (2, 4):
-    for a, b in zip(jax.tree.leaves(runs[1]), jax.tree.leaves(runs[rows])):
-      assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"rows={rows}"
-  for a, b in zip(jax.tree.leaves(runs[4]), jax.tree.leaves(runs["xla"])):
-    _assert_close("rows=4 vs xla", a, b, tolerance("float32", "float32"))
+  assert_rows_agree(runs)
 
 
 def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
@@ -159,9 +151,7 @@ def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
                 force=(rng.random(BATCH) < 0.2) & (np.asarray(rows_t) >= 0))
     finals[rows], flushes[rows] = twin.bufs[IMPL], twin.natural + twin.forced
   assert flushes[1] >= 3
-  for rows in (2, 4):
-    for a, b in zip(jax.tree.leaves(finals[1]), jax.tree.leaves(finals[rows])):
-      assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"rows={rows}"
+  assert_rows_agree(finals)
 
 
 def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
