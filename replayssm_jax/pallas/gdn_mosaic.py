@@ -1,6 +1,9 @@
 """Gated DeltaNet decode kernels in Pallas Mosaic GPU (``plgpu.kernel``; Hopper+, interpreted on CPU).
 
-Same op semantics as gdn_triton.py; three kernels, each ``kernel → builder → public wrapper``:
+Same op semantics as gdn_triton.py; four kernels, each ``kernel → builder → public wrapper``.
+A program of ``decode``, ``replay_decode`` or ``replay_verify`` takes ``rows`` batch rows (grid
+axis B / rows; ``_pipeline_rows``): with rows ≥ 2 its SMEM buffers are doubled and row i + 1 is
+staged by TMA while row i computes.
 
 * ``decode``: the conventional step. Grid (V/BV, Hv, B); a program TMA-gathers the [BV, K]
   checkpoint tile of its row's slot into SMEM, steps it once and TMA-writes it back in place
@@ -13,15 +16,15 @@ Same op semantics as gdn_triton.py; three kernels, each ``kernel → builder →
   the same program: unlike the Triton kernels (a separate fold pass over compacted rows, because a
   fused fold branch cost ~20 % on every row there), the checkpoint tile and the window already sit
   in SMEM here, so the fused fold re-reads nothing from HBM and needs no second launch.
-  *Unmeasured*: bench/gdn_decode.py --impls decides whether that holds on the H200.
+  H200, one row per program (bench/NOTES.md 61): 1.42x over conventional at B=256, L=16, f32,
+  against Triton's two passes 1.50x.
 * ``materialize``: the same fold body on every row, into a fresh f32 [B, Hv, V, K].
 * ``replay_verify``: speculative verify of T tokens per row, the reconstruct route of the Triton
-  kernels (gdn_triton ``_reconstruct_kernel``). Grid (V/BV, Hv, B / rows); for each of its rows
-  a program TMA-stages the checkpoint tile, the row's ring and the T tokens' q, k, v, replays the
+  kernels (gdn_triton ``_reconstruct_kernel``). Grid (V/BV, Hv, B); for each of its rows a
+  program TMA-stages the checkpoint tile, the row's ring and the T tokens' q, k, v, replays the
   committed window into the tile (``_fold_window``), steps the T tokens by the delta rule
   (outputs, ring appends past the window), and a flushing row stores the tile after token 0 in
-  place: committed history only, one launch. With ``rows`` ≥ 2 rows per program the buffers are
-  doubled and row i + 1 is staged while row i computes.
+  place: committed history only, one launch.
 
 Ring windows are walked entry by entry (``lax.fori_loop`` over ``count`` entries at ring indices
 ``(base + j) mod R``), so entries outside a window (stale or NaN) are staged into SMEM but never

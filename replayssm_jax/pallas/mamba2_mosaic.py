@@ -1,6 +1,8 @@
 """Mamba2 decode kernel in Pallas Mosaic GPU (``plgpu.kernel``; Hopper+, interpreted on CPU).
 
-Same op semantics as mamba2_triton.py; ``kernel → builder → public wrapper``:
+Same op semantics as mamba2_triton.py; ``kernel → builder → public wrapper``. A program takes
+``rows`` batch rows (grid axis B / rows; GDN's ``_pipeline_rows``): with rows ≥ 2 its SMEM
+buffers are doubled and row i + 1 is staged by TMA while row i computes.
 
 * ``decode``: the conventional step (selective_state_update). Grid (P/BP, H, B); a program
   TMA-gathers the [BP, N] state tile of its row's slot into SMEM, steps it once
