@@ -654,8 +654,9 @@ def mamba2_verify_conventional_config(*, device_kind: str, state_dtype, head_dim
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicConfig:
   """One Mosaic GPU launch: state-tile rows per program (GDN's [BV, K] checkpoint tile, Mamba2's
-  [BP, N] state tile, staged by TMA); ``rows``: batch rows per program (the verify kernels; with
-  rows ≥ 2 the next row's staging overlaps the current row's work, in doubled SMEM buffers)."""
+  [BP, N] state tile, staged by TMA); ``rows``: batch rows per program (decode, replay and verify
+  kernels; with rows ≥ 2 the next row's staging overlaps the current row's work, in doubled SMEM
+  buffers)."""
   block_v: int
   rows: int = 1
 
