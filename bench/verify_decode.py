@@ -341,6 +341,21 @@ def _variants(text):
   return out
 
 
+# Launch knobs of the Mosaic verify wrappers (the state tile's rows; batch rows per program).
+MOSAIC_KNOBS = ("block_v", "block_p", "rows")
+
+
+def arm_variants(arm: str, variants) -> list:
+  """The ``--variants`` an arm runs: replay-pallas those without a Mosaic-only knob (rows),
+  replay-mosaic those made of ``MOSAIC_KNOBS``, other arms the default."""
+  keys = lambda v: {k for k, _ in v}
+  if arm == "replay-pallas":
+    return [v for v in variants if "rows" not in keys(v)]
+  if arm == "replay-mosaic":
+    return [v for v in variants if keys(v) <= set(MOSAIC_KNOBS)]
+  return [()]
+
+
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m bench.verify_decode", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -371,6 +386,10 @@ def parse_args(argv):
   unknown = set(args.arms) - set(ARMS)
   if unknown:
     p.error(f"--arms: unknown {sorted(unknown)}; expected some of {ARMS}")
+  unused = [v for v in args.variants if v and not any(v in arm_variants(a, [v]) for a in args.arms)]
+  if unused:
+    p.error(f"--variants {unused}: no arm of {args.arms} takes these knobs (replay-pallas takes "
+            f"the Triton ones, replay-mosaic only {list(MOSAIC_KNOBS)})")
   if args.smoke:
     args.tokens, args.batches, args.buffer_len = [2], [2], 4
     args.state_dtypes = args.state_dtypes if "--state-dtypes" in argv else ["float32"]
@@ -410,8 +429,7 @@ def main(argv=None) -> dict:
         P = layers_for(state_bytes, B, t, sdt, args.target_bytes, args.max_layers)
         setup = Setup(family, B, t, args.buffer_len, P, sdt, args.ring_dtype, args.act_dtype, args.bank,
                       args.cycle_steps, args.seed)
-        runs = [(arm, knobs) for arm in args.arms
-                for knobs in (args.variants if arm in ("replay-pallas", "replay-mosaic") else [()])]
+        runs = [(arm, knobs) for arm in args.arms for knobs in arm_variants(arm, args.variants)]
         for arm, knobs in runs:
           if arm.endswith("xla") and args.xla_batches is not None and B not in args.xla_batches:
             continue

@@ -271,6 +271,13 @@ def test_verify_decode_mosaic_variants(tmp_path):
   assert set(rows) == {"replay-mosaic", "replay-mosaic[rows=2]"}
   for r in rows.values():
     assert r["status"] == "ok" and r["gate"]["passed"], (r["arm"], r["error"], r.get("gate"))
+  # Each arm runs the variants its wrapper takes; a variant no arm takes is refused.
+  both = verify_decode._variants(",rows=2,split=true")
+  assert verify_decode.arm_variants("replay-pallas", both) == [(), (("split", True),)]
+  assert verify_decode.arm_variants("replay-mosaic", both) == [(), (("rows", 2),)]
+  assert verify_decode.arm_variants("conv-pallas", both) == [()]
+  with pytest.raises(SystemExit):
+    verify_decode.parse_args(["--arms", "replay-pallas,conv-pallas", "--variants", ",rows=2"])
 
 
 def test_configs_reach_the_arms_that_take_them(capsys):
