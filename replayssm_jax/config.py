@@ -501,12 +501,14 @@ class VerifyConfig:
   separate readout launch, grid (V/BV, Hv, B) (``split`` True); then the replay fold pass over the
   flushing rows. Route ``reconstruct``: one launch, grid (V/BV, Hv, B), tile ``step`` [BV, K]
   (the window is replayed into the tile, the tokens stepped through it, flushing rows store it
-  after token 0); ``readout``, ``split``, ``fold`` and ``fold_rows`` are unused."""
+  after token 0); ``readout``, ``split``, ``fold``, ``fold_rows`` and ``fold_tiles`` are unused.
+  ``fold_tiles``: tiles per fold program, one (not measured with more for verify)."""
   step: KernelConfig
   readout: KernelConfig
   split: bool
   fold: KernelConfig
   fold_rows: int = 1
+  fold_tiles: int = 1
   route: str = "output_only"
 
   def __post_init__(self):

@@ -300,8 +300,7 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
       + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.ring_k, bufs.ring_u, bufs.ring_g)],
       aliases={9: 1, 10: 2, 11: 3}, cfg=step, name="replayssm_gdn_replay_step", interpret=interpret)
   bufs = bufs.replace(ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
-  return o, fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret,
-                               tiles_per_program=cfg.fold_tiles)
+  return o, fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
@@ -339,14 +338,14 @@ def reconstruct(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret)
   return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
 
 
-def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret, tiles_per_program=1):
+def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
   """The flush pass after a step kernel appended token 0 (``fold_triton.fold_flushing_rows``):
-  flushing rows fold ``plan.fold_length()`` entries (window + token 0) into their checkpoint;
-  returns the buffers."""
+  flushing rows fold ``plan.fold_length()`` entries (window + token 0) into their checkpoint,
+  ``cfg.fold_tiles`` tiles per program; returns the buffers."""
   return bufs.replace(state=fold_triton.fold_flushing_rows(
       bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g, plan, cfg=cfg.fold,
       row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_gdn_fold",
-      tiles_per_program=tiles_per_program))
+      tiles_per_program=cfg.fold_tiles))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
