@@ -322,7 +322,7 @@ def parse_config(text: str) -> LaunchConfig:
   """``default`` or tokens like ``bv32w2s3`` (block_v, num_warps, num_stages), ``bk64`` (block_k of
   the replay step), ``fbv64fw4ft2`` (fold_block_v, fold_num_warps, fold_tiles of the replay
   fold pass; ``fbk``, ``fr`` its block_k and row slots), e.g. ``bv64w4fbv32fw2``, and ``r4``
-  (batch rows per program of the Mosaic replay kernel)."""
+  (batch rows per program of the Mosaic kernels)."""
   text = text.strip()
   if text in ("", "default"):
     return LaunchConfig("default")
