@@ -144,6 +144,23 @@ def lower_for_h200(fn, donate, *args) -> str:
   return lowered.as_text()
 
 
+def assert_store_waits_only_compiled(fn, *args):
+  """``fn``'s Mosaic kernels wait for their SMEM → GMEM stores when built for a GPU, and emit no
+  such wait when interpreted (``gdn_mosaic._drain_stores``: the interpreter's wait dispatches a
+  jax computation from inside a host callback, which hung a CI run). Each check traces afresh:
+  jit's trace cache does not see ``force_lowering``."""
+  import jax
+
+  from replayssm_jax.pallas import common
+
+  def jaxpr(compiled: bool) -> str:
+    with common.force_lowering(compiled):
+      return str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
+  assert "wait_smem_to_gmem" in jaxpr(True)
+  if jax.default_backend() == "cpu":
+    assert "wait_smem_to_gmem" not in jaxpr(False)
+
+
 def with_xla_flags(*flags: str) -> dict:
   """This process's environment with ``flags`` added to XLA_FLAGS, for a test's CPU subprocess
   (which so keeps conftest's compile-speed flag)."""

@@ -16,8 +16,8 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax.pallas import common, gdn_mosaic
-from tests.helpers import (assert_rows_agree, gdn_step_f64, lower_for_h200, make_gdn_step,
-                           max_err, run_each_setting, tolerance)
+from tests.helpers import (assert_rows_agree, assert_store_waits_only_compiled, gdn_step_f64,
+                           lower_for_h200, make_gdn_step, max_err, run_each_setting, tolerance)
 from tests.test_gdn_pallas import _assert_close, _np, _take_rows
 from tests.test_gdn_verify_pallas import _forced_flush_with_pending_drafts, _random_accepts
 
@@ -253,10 +253,11 @@ def test_unsupported_inputs_raise():
 P_HK, P_HV, P_K, P_V, P_B, P_N, P_L = 16, 32, 128, 128, 8, 16, 16
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kernel", ["decode", "decode_rows4", "replay", "replay_rows4",
-                                    "materialize", "verify", "verify_rows4"])
-def test_lowers_for_h200(kernel, state_dtype):
+KERNELS = ["decode", "decode_rows4", "replay", "replay_rows4", "materialize", "verify", "verify_rows4"]
+
+
+def _h200_call(kernel, state_dtype):
+  """(fn, donated argnums, args) of one Mosaic kernel at the production geometry."""
   bf16 = jnp.bfloat16
   slots = jnp.asarray(np.r_[np.arange(P_B - 1), -1], jnp.int32)
   step = (jnp.zeros((P_B, P_HK, P_K), bf16), jnp.zeros((P_B, P_HK, P_K), bf16),
@@ -267,15 +268,14 @@ def test_lowers_for_h200(kernel, state_dtype):
                                      head_k_dim=P_K, head_v_dim=P_V, state_dtype=state_dtype,
                                      ring_dtype=bf16)
   if kernel == "decode":
-    text = lower_for_h200(lambda pool, s, *x: rs.gdn.decode(*x, pool, s, implementation=IMPL),
-                  (0,), bufs.state, slots, *step)
-  elif kernel == "decode_rows4":
-    text = lower_for_h200(lambda pool, s, *x: gdn_mosaic.decode(*x, pool, s, scale=1.0, rows=4),
-                          (0,), bufs.state, slots, *step)
-  elif kernel == "materialize":
-    text = lower_for_h200(lambda b, c, s: rs.gdn.materialize(b, c, s, implementation=IMPL),
-                  (), bufs, cursor, slots)
-  elif kernel.startswith("verify"):   # T = 4 tokens per row, ring sized for L = 8 plus the drafts
+    return (lambda pool, s, *x: rs.gdn.decode(*x, pool, s, implementation=IMPL),
+            (0,), (bufs.state, slots, *step))
+  if kernel == "decode_rows4":
+    return (lambda pool, s, *x: gdn_mosaic.decode(*x, pool, s, scale=1.0, rows=4),
+            (0,), (bufs.state, slots, *step))
+  if kernel == "materialize":
+    return lambda b, c, s: rs.gdn.materialize(b, c, s, implementation=IMPL), (), (bufs, cursor, slots)
+  if kernel.startswith("verify"):   # T = 4 tokens per row, ring sized for L = 8 plus the drafts
     cursor = rs.ReplayCursor.create(P_N, buffer_len=8, max_draft=3)
     bufs = rs.gdn.ReplayBuffers.create(P_N, cursor, num_k_heads=P_HK, num_v_heads=P_HV,
                                        head_k_dim=P_K, head_v_dim=P_V, state_dtype=state_dtype,
@@ -286,16 +286,29 @@ def test_lowers_for_h200(kernel, state_dtype):
     else:   # four rows per program: doubled SMEM buffers, the next row staged during this one
       lengths = jnp.full((P_B,), 4, jnp.int32)
       verify = lambda b, p, *x: gdn_mosaic.replay_verify(*x, b, p, lengths, scale=1.0, rows=4)
-    text = lower_for_h200(verify, (0,), bufs, cursor.plan(slots, num_tokens=4), *tokens)
-  elif kernel == "replay":
-    text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation=IMPL),
-                  (0,), bufs, cursor.plan(slots), *step)
-  else:   # four rows per program: doubled SMEM buffers, the next row staged during this one
-    text = lower_for_h200(lambda b, p, *x: gdn_mosaic.replay_decode(*x, b, p, scale=1.0, rows=4),
-                          (0,), bufs, cursor.plan(slots), *step)
+    return verify, (0,), (bufs, cursor.plan(slots, num_tokens=4), *tokens)
+  if kernel == "replay":
+    return (lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation=IMPL),
+            (0,), (bufs, cursor.plan(slots), *step))
+  # four rows per program: doubled SMEM buffers, the next row staged during this one
+  return (lambda b, p, *x: gdn_mosaic.replay_decode(*x, b, p, scale=1.0, rows=4),
+          (0,), (bufs, cursor.plan(slots), *step))
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_lowers_for_h200(kernel, state_dtype):
+  fn, donate, args = _h200_call(kernel, state_dtype)
+  text = lower_for_h200(fn, donate, *args)
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
   # Written Refs alias their donated buffers: pool (decode); state and three rings (replay, verify).
   assert text.count("tf.aliasing_output") == {"decode": 1, "decode_rows4": 1, "replay": 4,
                                                "replay_rows4": 4,
                                                "materialize": 0, "verify": 4,
                                                "verify_rows4": 4}[kernel]
+
+
+@pytest.mark.parametrize("kernel", ["decode_rows4", "replay_rows4", "materialize", "verify_rows4"])
+def test_store_waits_are_compiled_not_interpreted(kernel):
+  fn, _, args = _h200_call(kernel, "float32")
+  assert_store_waits_only_compiled(fn, *args)

@@ -15,7 +15,8 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax.pallas import common, mamba2_mosaic
-from tests.helpers import assert_rows_agree, lower_for_h200, tolerance
+from tests.helpers import (assert_rows_agree, assert_store_waits_only_compiled, lower_for_h200,
+                           tolerance)
 from tests.test_mamba2_ops import make_step
 from tests.test_mamba2_pallas import (NANO, NUM_SLOTS, SLOTS, SUPER, H, G, N, _assert_close,
                                       _initial_states, _params, _poisoned_buffers, _production,
@@ -181,27 +182,18 @@ def test_the_mosaic_kernel_runs_and_refuses_unlowerable_shapes():
       replay()
 
 
-@pytest.mark.parametrize("kernel,state_dtype,buffer_len,geometry", [
-    ("decode", "float32", 8, "super"), ("decode", "bfloat16", 8, "super"),
-    ("decode", "float32", 8, "nano"), ("replay", "float32", 16, "super"),
-    ("replay", "bfloat16", 8, "super"), ("replay", "float32", 8, "nano"),
-    ("verify", "float32", 8, "super"), ("verify", "bfloat16", 8, "super"),
-    ("verify_rows4", "float32", 8, "super"), ("replay_rows4", "float32", 8, "super"),
-    ("decode_rows4", "float32", 8, "super")])
-def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
-  """Super (P 64, N 128): one Mosaic kernel, every donated buffer updated in place (pool; state
-  and the three rings). Nano (P 80): no 64-row tile divides P, so compiling refuses it
-  (implementation=None then falls back)."""
+def _h200_call(kernel, state_dtype, buffer_len, geometry):
+  """(fn, donated argnums, args) of one Mosaic kernel at a production geometry."""
   slots, cursor, bufs, step, extra = _production(SUPER if geometry == "super" else NANO,
                                                  buffer_len, state_dtype)
   if kernel == "decode":
-    lower = lambda: lower_for_h200(lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
-        x, dt, A, B, C, pool, s, z=x, implementation=IMPL, **extra), (0,), bufs.state, slots, *step)
-  elif kernel == "decode_rows4":
-    lower = lambda: lower_for_h200(lambda pool, s, x, dt, A, B, C: mamba2_mosaic.decode(
-        x, dt, A, B, C, pool, s, z=x, dt_softplus=True, rows=4, **extra), (0,), bufs.state, slots,
-        *step)
-  elif kernel.startswith("verify"):   # T = 4 tokens per row
+    return (lambda pool, s, x, dt, A, B, C: rs.mamba2.decode(
+        x, dt, A, B, C, pool, s, z=x, implementation=IMPL, **extra), (0,), (bufs.state, slots, *step))
+  if kernel == "decode_rows4":
+    return (lambda pool, s, x, dt, A, B, C: mamba2_mosaic.decode(
+        x, dt, A, B, C, pool, s, z=x, dt_softplus=True, rows=4, **extra), (0,),
+        (bufs.state, slots, *step))
+  if kernel.startswith("verify"):   # T = 4 tokens per row
     cursor = rs.ReplayCursor.create(cursor.num_slots, buffer_len=buffer_len, max_draft=3)
     bufs = rs.mamba2.ReplayBuffers.create(cursor.num_slots, cursor, num_heads=bufs.num_heads,
                                           head_dim=bufs.head_dim, num_groups=bufs.num_groups,
@@ -215,15 +207,30 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
       lengths = jnp.full(slots.shape, 4, jnp.int32)
       verify = lambda b, p, x, dt, A, B, C: mamba2_mosaic.replay_verify(
           x, dt, A, B, C, b, p, lengths, z=x, dt_softplus=True, rows=4, **extra)
-    lower = lambda: lower_for_h200(verify, (0,), bufs, cursor.plan(slots, num_tokens=4), *tokens)
-  elif kernel == "replay":
-    lower = lambda: lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
-        x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra), (0,), bufs, cursor.plan(slots),
-        *step)
-  else:   # four rows per program: doubled SMEM buffers, the next row staged during this one
-    lower = lambda: lower_for_h200(lambda b, p, x, dt, A, B, C: mamba2_mosaic.replay_decode(
-        x, dt, A, B, C, b, p, z=x, dt_softplus=True, rows=4, **extra), (0,), bufs,
-        cursor.plan(slots), *step)
+    return verify, (0,), (bufs, cursor.plan(slots, num_tokens=4), *tokens)
+  if kernel == "replay":
+    return (lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
+        x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra), (0,),
+        (bufs, cursor.plan(slots), *step))
+  # four rows per program: doubled SMEM buffers, the next row staged during this one
+  return (lambda b, p, x, dt, A, B, C: mamba2_mosaic.replay_decode(
+      x, dt, A, B, C, b, p, z=x, dt_softplus=True, rows=4, **extra), (0,),
+      (bufs, cursor.plan(slots), *step))
+
+
+@pytest.mark.parametrize("kernel,state_dtype,buffer_len,geometry", [
+    ("decode", "float32", 8, "super"), ("decode", "bfloat16", 8, "super"),
+    ("decode", "float32", 8, "nano"), ("replay", "float32", 16, "super"),
+    ("replay", "bfloat16", 8, "super"), ("replay", "float32", 8, "nano"),
+    ("verify", "float32", 8, "super"), ("verify", "bfloat16", 8, "super"),
+    ("verify_rows4", "float32", 8, "super"), ("replay_rows4", "float32", 8, "super"),
+    ("decode_rows4", "float32", 8, "super")])
+def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
+  """Super (P 64, N 128): one Mosaic kernel, every donated buffer updated in place (pool; state
+  and the three rings). Nano (P 80): no 64-row tile divides P, so compiling refuses it
+  (implementation=None then falls back)."""
+  fn, donate, args = _h200_call(kernel, state_dtype, buffer_len, geometry)
+  lower = lambda: lower_for_h200(fn, donate, *args)
   if geometry == "nano":
     with pytest.raises(NotImplementedError, match="P=80"):
       lower()
@@ -233,6 +240,12 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "verify": 4,
                                                "verify_rows4": 4, "replay_rows4": 4,
                                                "decode_rows4": 1}[kernel]
+
+
+@pytest.mark.parametrize("kernel", ["decode_rows4", "replay_rows4", "verify_rows4"])
+def test_store_waits_are_compiled_not_interpreted(kernel):
+  fn, _, args = _h200_call(kernel, "float32", 8, "super")
+  assert_store_waits_only_compiled(fn, *args)
 
 
 def test_softplus_without_log1p_is_f32_accurate():

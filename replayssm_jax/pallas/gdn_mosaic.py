@@ -89,7 +89,7 @@ def _fold_window(S, rk_smem, ru_smem, rg_smem, base, length, ring_size):
 # ----------------------------------------------------------------------------------------------
 
 def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref,
-                   *, scale, group, block_v, rows, **scratch):
+                   *, scale, group, block_v, rows, interpret, **scratch):
   """Program (vt, h, z) steps batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
   rows ≥ 2 the next row's tile is staged while the current row computes)."""
   vt, h, z = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
@@ -126,8 +126,7 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_
     def _():
       o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
 
-  _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row)
-  plgpu.wait_smem_to_gmem(0)
+  _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row, interpret=interpret)
 
 
 def _stage_ring(ring_k_ref, ring_u_ref, ring_g_ref, s, hk, h0, heads, tile, rk_smem, ru_smem,
@@ -199,18 +198,28 @@ def _row_buffers(scratch: dict, rows: int) -> list[dict]:
           for i in range(_num_buffers(rows))]
 
 
-def _pipeline_rows(rows: int, buffers: list[dict], stage, process):
+def _drain_stores(interpret: bool, *, read_only: bool = False):
+  """Waits until this program's SMEM → GMEM copies have read SMEM (``read_only``) or landed.
+  Compiled only: the interpreter completes a copy when it is issued, and its wait compares the
+  count as a jax array inside a host callback, a computation dispatched from a callback that can
+  deadlock against the caller's own dispatches (a CI run hung on it)."""
+  if not interpret:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
+
+
+def _pipeline_rows(rows: int, buffers: list[dict], stage, process, *, interpret: bool):
   """Runs ``process(i, buffer)`` for a program's rows i = 0 … rows − 1 after ``stage(i, buffer)``
-  has issued row i's TMA into that buffer. With two buffers, row i + 1 is staged before row i is
-  processed, so its loads overlap row i's work; a buffer is staged again only after its last
-  row's stores have left SMEM and its reads are committed."""
+  has issued row i's TMA into that buffer, then drains the stores. With two buffers, row i + 1 is
+  staged before row i is processed, so its loads overlap row i's work; a buffer is staged again
+  only after its last row's stores have left SMEM and its reads are committed."""
   stage(0, buffers[0])
   if rows == 1:
     process(0, buffers[0])
+    _drain_stores(interpret)
     return
 
   def restage(i, buf):
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _drain_stores(interpret, read_only=True)
     plgpu.commit_smem()
     stage(i, buf)
 
@@ -221,11 +230,13 @@ def _pipeline_rows(rows: int, buffers: list[dict], stage, process):
     process(2 * p + 1, buffers[1])
     return carry
   lax.fori_loop(0, rows // 2, pair, 0)
+  _drain_stores(interpret)
 
 
 def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref, v_ref, g_ref,
                         beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
-                        *, scale, group, block_v, ring_size, rows, **scratch):
+                        *, scale, group, block_v, ring_size, rows, interpret,
+                        **scratch):
   """Program (vt, hk, z) steps batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
   rows ≥ 2 the next row's staging overlaps the current row's work)."""
   vt, hk, z = lax.axis_index("vt"), lax.axis_index("hk"), lax.axis_index("b")
@@ -315,13 +326,12 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref,
     def _():
       ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
 
-  _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row)
-  plgpu.wait_smem_to_gmem(0)
+  _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row, interpret=interpret)
 
 
 def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, ring_u_ref,
                         ring_g_ref, out_ref, S_smem, out_smem, rk_smem, ru_smem, rg_smem, bars,
-                        *, group, block_v, ring_size):
+                        *, group, block_v, ring_size, interpret):
   vt, h, b = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
   s = slots_ref[b]
   tile = pl.ds(vt * block_v, block_v)
@@ -337,12 +347,13 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
 
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, h, tile])
-  plgpu.wait_smem_to_gmem(0)
+  _drain_stores(interpret)
 
 
 def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
                    g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
-                   *, scale, group, block_v, ring_size, num_tokens, rows, **scratch):
+                   *, scale, group, block_v, ring_size, num_tokens, rows, interpret,
+                   **scratch):
   """Program (vt, h, z) verifies batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
   rows ≥ 2 the next row's staging overlaps the current row's work)."""
   vt, h, z = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
@@ -417,8 +428,7 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
           def _():
             ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
 
-  _pipeline_rows(rows, buffers, stage, verify_row)
-  plgpu.wait_smem_to_gmem(0)
+  _pipeline_rows(rows, buffers, stage, verify_row, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,7 +451,7 @@ def _ring_scratch(bufs: ReplayBuffers, heads: int, block_v: int):
 def _decode(q, k, v, g, beta, pool, slots, *, scale, cfg, interpret):
   batch, hv, vd = v.shape
   kernel = functools.partial(_decode_kernel, scale=scale, group=hv // q.shape[1],
-                             block_v=cfg.block_v, rows=cfg.rows)
+                             block_v=cfg.block_v, rows=cfg.rows, interpret=interpret)
   pool_ref = jax.new_ref(pool)   # written Ref operand: updated in place (aliased under donation)
   one = {"S_smem": plgpu.SMEM((cfg.block_v, pool.shape[-1]), pool.dtype), "bar": plgpu.Barrier()}
   o = plgpu.kernel(
@@ -459,7 +469,7 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
   hv, vd, kd = bufs.num_v_heads, bufs.head_v_dim, bufs.head_k_dim
   group, bv = hv // hk, cfg.block_v
   kernel = functools.partial(_replay_step_kernel, scale=scale, group=group, block_v=bv,
-                             ring_size=bufs.ring_size, rows=cfg.rows)
+                             ring_size=bufs.ring_size, rows=cfg.rows, interpret=interpret)
   refs = [jax.new_ref(x) for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)]
   one = dict(S_smem=plgpu.SMEM((group, bv, kd), bufs.state.dtype),
              **_ring_scratch(bufs, group, bv), bars=plgpu.Barrier(num_barriers=2 + 2 * group))
@@ -478,7 +488,8 @@ def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpr
   batch, t, hk = q.shape[:3]
   hv, vd, kd, bv = bufs.num_v_heads, bufs.head_v_dim, bufs.head_k_dim, cfg.block_v
   kernel = functools.partial(_verify_kernel, scale=scale, group=hv // hk, block_v=bv,
-                             ring_size=bufs.ring_size, num_tokens=t, rows=cfg.rows)
+                             ring_size=bufs.ring_size, num_tokens=t, rows=cfg.rows,
+                             interpret=interpret)
   refs = [jax.new_ref(x) for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)]
   one = dict(S_smem=plgpu.SMEM((bv, kd), bufs.state.dtype), **_ring_scratch(bufs, 1, bv),
              q_smem=plgpu.SMEM((t, kd), q.dtype), k_smem=plgpu.SMEM((t, kd), k.dtype),
@@ -500,7 +511,7 @@ def _materialize(bufs, slots, base, length, *, cfg, interpret):
   batch = slots.shape[0]
   hv, vd, kd, bv = bufs.num_v_heads, bufs.head_v_dim, bufs.head_k_dim, cfg.block_v
   kernel = functools.partial(_materialize_kernel, group=hv // bufs.num_k_heads, block_v=bv,
-                             ring_size=bufs.ring_size)
+                             ring_size=bufs.ring_size, interpret=interpret)
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((batch, hv, vd, kd), f32),
       grid=(vd // bv, hv, batch), grid_names=("vt", "h", "b"),

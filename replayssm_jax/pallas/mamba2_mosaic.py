@@ -97,7 +97,7 @@ def _step_inputs(slots, x, dt, A, B, C, D, z, dt_bias) -> dict:
   return {k: v for k, v in given.items() if v is not None}
 
 
-def _decode_kernel(*refs, names, group, block_p, softplus, rows, **scratch):
+def _decode_kernel(*refs, names, group, block_p, softplus, rows, interpret, **scratch):
   """Program (pt, h, z) steps batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
   rows ≥ 2 the next row's tile is staged while the current row computes)."""
   r = dict(zip(names, refs))
@@ -127,8 +127,7 @@ def _decode_kernel(*refs, names, group, block_p, softplus, rows, **scratch):
     def _():
       r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
 
-  _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row)
-  plgpu.wait_smem_to_gmem(0)
+  _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row, interpret=interpret)
 
 
 def _stage_row(r, buf, b, h, g, tile):
@@ -151,7 +150,8 @@ def _store_checkpoint(r, smem, S, s, h, tile):
   plgpu.copy_smem_to_gmem(smem["S_smem"], r["state"].at[s, h, tile])
 
 
-def _replay_kernel(*refs, names, group, block_p, ring_size, softplus, rows, **scratch):
+def _replay_kernel(*refs, names, group, block_p, ring_size, softplus, rows, interpret,
+                   **scratch):
   """Program (pt, h, z) steps batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
   rows ≥ 2 the next row's staging overlaps the current row's work)."""
   r = dict(zip(names, refs))
@@ -190,8 +190,8 @@ def _replay_kernel(*refs, names, group, block_p, ring_size, softplus, rows, **sc
     pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, buf, S, s, h, tile))
 
   _pipeline_rows(rows, _row_buffers(scratch, rows),
-                 lambda i, buf: _stage_row(r, buf, z * rows + i, h, g, tile), step_row)
-  plgpu.wait_smem_to_gmem(0)
+                 lambda i, buf: _stage_row(r, buf, z * rows + i, h, g, tile), step_row,
+                 interpret=interpret)
 
 
 def _stage_tokens(r, smem, tok_bars, b, h, g, tile):
@@ -204,7 +204,7 @@ def _stage_tokens(r, smem, tok_bars, b, h, g, tile):
 
 
 def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens, rows,
-                   **scratch):
+                   interpret, **scratch):
   """The replay kernel for T tokens (reconstruct route of speculative verify): window replayed
   into the tile, then T steps, each token appended past the window; a flushing row stores the
   tile after token 0 (committed history only). The T tokens' ``_STAGED`` vectors are TMA-staged
@@ -259,8 +259,7 @@ def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens
         # checkpoint ← window + token 0
         pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, buf, S, s, h, tile))
 
-  _pipeline_rows(rows, buffers, stage, verify_row)
-  plgpu.wait_smem_to_gmem(0)
+  _pipeline_rows(rows, buffers, stage, verify_row, interpret=interpret)
 
 
 def _ring_scratch(bufs, block_p):
@@ -285,7 +284,7 @@ def _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, *, dt_softplus, cfg, int
   pool_ref = jax.new_ref(pool)   # written Ref operand: updated in place (aliased under donation)
   kernel = functools.partial(_decode_kernel, names=(*inputs, "pool", "y_out"),
                              group=h // B.shape[1], block_p=cfg.block_v, softplus=dt_softplus,
-                             rows=cfg.rows)
+                             rows=cfg.rows, interpret=interpret)
   one = {"S_smem": plgpu.SMEM((cfg.block_v, pool.shape[-1]), pool.dtype), "bar": plgpu.Barrier()}
   y = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -306,7 +305,7 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
   refs = [jax.new_ref(getattr(bufs, k)) for k in names]   # written Refs: updated in place
   kernel = functools.partial(_replay_kernel, names=(*inputs, *names, "y_out"),
                              group=h // bufs.num_groups, block_p=bp, ring_size=r,
-                             softplus=dt_softplus, rows=cfg.rows)
+                             softplus=dt_softplus, rows=cfg.rows, interpret=interpret)
   one = {"S_smem": plgpu.SMEM((bp, n), bufs.state.dtype), **_ring_scratch(bufs, bp),
          "bars": plgpu.Barrier(num_barriers=4)}
   y = plgpu.kernel(
@@ -330,7 +329,8 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
   tokens = _token_scratch(inputs, t, bp)
   kernel = functools.partial(_verify_kernel, names=(*inputs, *names, "y_out"),
                              group=h // bufs.num_groups, block_p=bp, ring_size=bufs.ring_size,
-                             softplus=dt_softplus, num_tokens=t, rows=cfg.rows)
+                             softplus=dt_softplus, num_tokens=t, rows=cfg.rows,
+                             interpret=interpret)
   one = {"S_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.state.dtype), **_ring_scratch(bufs, bp),
          **tokens, "bars": plgpu.Barrier(num_barriers=4),
          **({"tok_bars": plgpu.Barrier(num_barriers=len(tokens))} if tokens else {})}
