@@ -129,6 +129,18 @@ def assert_rows_agree(runs: dict):
         "rows=4 vs xla"
 
 
+def set_mosaic_rows(monkeypatch, rows: int, *config_names: str):
+  """Makes each named ``replayssm_jax.config`` function return its MosaicConfig with ``rows``
+  batch rows per program (the original's config with that one field replaced)."""
+  import dataclasses
+
+  from replayssm_jax import config as config_lib
+  for name in config_names:
+    real = getattr(config_lib, name)
+    monkeypatch.setattr(config_lib, name,
+                        lambda real=real, **kw: dataclasses.replace(real(**kw), rows=rows))
+
+
 def lower_for_h200(fn, donate, *args) -> str:
   """StableHLO text of ``jax.jit(fn, donate_argnums=donate)`` lowered for an abstract H200 with
   the Pallas kernels built for real (not interpreted): notes/pallas-gpu.md §4. Shows what

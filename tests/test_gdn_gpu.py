@@ -7,7 +7,6 @@ of masked loads, register-level layouts. These tests run the real kernels at pro
 (the Mosaic kernels also against the Triton ones), and check that a donated step compiles
 without copying the state pool (Mosaic: written Refs alias in place).
 """
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,7 @@ import numpy as np
 import pytest
 
 import replayssm_jax as rs
-from replayssm_jax import config as config_lib
-from tests.helpers import GEOMETRIES, gdn_step_f64, make_gdn_step, max_err
+from tests.helpers import GEOMETRIES, gdn_step_f64, make_gdn_step, max_err, set_mosaic_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -75,10 +73,7 @@ def test_compiled_mosaic_rows_per_program(monkeypatch, rows):
   """The Mosaic replay step and conventional decode with 2 or 4 batch rows per program (doubled
   SMEM buffers, the next row's TMA issued before the current row computes) against float64 and
   the Triton kernels."""
-  for name in ("mosaic_replay_config", "mosaic_decode_config"):
-    real = getattr(config_lib, name)
-    monkeypatch.setattr(config_lib, name,
-                        lambda real=real, **kw: dataclasses.replace(real(**kw), rows=rows))
+  set_mosaic_rows(monkeypatch, rows, "mosaic_replay_config", "mosaic_decode_config")
   errs = _run("output_only", jnp.float32, buffer_len=4, steps=9, seed=1, impl="pallas_mosaic")
   assert max(errs.values()) < 5e-5, errs
 

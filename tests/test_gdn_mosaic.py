@@ -17,7 +17,8 @@ import pytest
 import replayssm_jax as rs
 from replayssm_jax.pallas import common, gdn_mosaic
 from tests.helpers import (assert_rows_agree, assert_store_waits_only_compiled, gdn_step_f64,
-                           lower_for_h200, make_gdn_step, max_err, run_each_setting, tolerance)
+                           lower_for_h200, make_gdn_step, max_err, run_each_setting,
+                           set_mosaic_rows, tolerance)
 from tests.test_gdn_pallas import _assert_close, _np, _take_rows
 from tests.test_gdn_verify_pallas import _forced_flush_with_pending_drafts, _random_accepts
 
@@ -197,8 +198,7 @@ def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
   real = config_lib.mosaic_verify_config
   finals, flushes = {}, {}
   for rows in (1, 2, 4):
-    monkeypatch.setattr(config_lib, "mosaic_verify_config",
-                        lambda rows=rows, **kw: dataclasses.replace(real(**kw), rows=rows))
+    set_mosaic_rows(monkeypatch, rows, "mosaic_verify_config")
     rng = np.random.default_rng(21)
     h = Lockstep(num_tokens=2, buffer_len=4, seed=21, impl=IMPL, conventional=False)
     for t in range(5):

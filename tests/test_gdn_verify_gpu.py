@@ -16,7 +16,7 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax import config as config_lib
-from tests.helpers import GEOMETRIES, gdn_step_f64, max_err
+from tests.helpers import GEOMETRIES, gdn_step_f64, max_err, set_mosaic_rows
 from tests.test_gdn_verify import FIELDS, _token, _tokens
 
 pytestmark = pytest.mark.gpu
@@ -103,9 +103,7 @@ def test_compiled_mosaic_verify_rows_per_program(monkeypatch, rows):
   """The Mosaic verify with 2 or 4 batch rows per program (doubled SMEM buffers, the next row's
   TMA issued before the current row computes) against float64; the batch of 4 holds a padding
   row, so at 4 rows one program takes all four through two pairs."""
-  real = config_lib.mosaic_verify_config
-  monkeypatch.setattr(config_lib, "mosaic_verify_config",
-                      lambda **kw: dataclasses.replace(real(**kw), rows=rows))
+  set_mosaic_rows(monkeypatch, rows, "mosaic_verify_config")
   errs = _run(4, 8, jnp.float32, steps=10, seed=5, impl="pallas_mosaic")
   assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
 

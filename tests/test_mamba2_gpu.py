@@ -5,7 +5,6 @@ register-level layouts. These tests run the real kernels at production geometry 
 H 128, P 64, N 128, G 8; Nemotron-3-Nano's P = 80 once) against the independent float64 oracle
 across flushes, and check that a donated step compiles without copying the state pool.
 """
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +12,7 @@ import numpy as np
 import pytest
 
 import replayssm_jax as rs
-from replayssm_jax import config as config_lib
-from tests.helpers import max_err
+from tests.helpers import max_err, set_mosaic_rows
 from tests.test_mamba2_ops import make_params, make_step, mamba2_step_f64
 
 pytestmark = pytest.mark.gpu
@@ -88,9 +86,8 @@ def test_compiled_mosaic_kernels_match_float64_oracle(state_dtype):
 def test_compiled_mosaic_rows_per_program(monkeypatch, rows):
   """The Mosaic replay step and conventional decode with 2 or 4 batch rows per program (doubled
   SMEM buffers, the next row's TMA issued before the current row computes) against float64."""
-  real = config_lib.mosaic_mamba2_decode_config   # the replay and verify tiles derive from it
-  monkeypatch.setattr(config_lib, "mosaic_mamba2_decode_config",
-                      lambda **kw: dataclasses.replace(real(**kw), rows=rows))
+  # The replay and verify configs derive from the decode one.
+  set_mosaic_rows(monkeypatch, rows, "mosaic_mamba2_decode_config")
   errs = _run("reconstruct", jnp.float32, 4, steps=10, seed=6, implementation="pallas_mosaic")
   assert max(errs.values()) < 5e-5, errs
 

@@ -6,7 +6,6 @@ Small grids (the Mosaic interpreter costs ~0.5 s per kernel call): H 4 over G 2 
 Mosaic layouts (16-row tiles run here but would not lower); the lowering tests cover the
 production tiles.
 """
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ import pytest
 import replayssm_jax as rs
 from replayssm_jax.pallas import common, mamba2_mosaic
 from tests.helpers import (assert_rows_agree, assert_store_waits_only_compiled, lower_for_h200,
-                           tolerance)
+                           set_mosaic_rows, tolerance)
 from tests.test_mamba2_ops import make_step
 from tests.test_mamba2_pallas import (NANO, NUM_SLOTS, SLOTS, SUPER, H, G, N, _assert_close,
                                       _initial_states, _params, _poisoned_buffers, _production,
@@ -136,13 +135,10 @@ def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
   row computes) leave bitwise the same checkpoints and rings after steps with natural and forced
   flushes, padding rows and short rows; every step of every run is also checked against XLA and
   float64 (Twin, batch 4)."""
-  from replayssm_jax import config as config_lib
   from tests.test_mamba2_verify_pallas import BATCH, Twin, _staggered_rows
-  real = config_lib.mosaic_mamba2_verify_config
   finals, flushes = {}, {}
   for rows in (1, 2, 4):
-    monkeypatch.setattr(config_lib, "mosaic_mamba2_verify_config",
-                        lambda rows=rows, **kw: dataclasses.replace(real(**kw), rows=rows))
+    set_mosaic_rows(monkeypatch, rows, "mosaic_mamba2_verify_config")
     rng = np.random.default_rng(22)
     twin = Twin(num_tokens=2, buffer_len=4, seed=22, impl=IMPL, conventional=False)
     for t in range(5):

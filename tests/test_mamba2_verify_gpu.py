@@ -6,7 +6,6 @@ At Nemotron-3-Super geometry (H 128, P 64, N 128, G 8) the compiled ``replay_ver
 natural and forced flushes, against the independent float64 oracle (a TF32 product anywhere would
 show errors near 1e-3); donated steps must not copy the checkpoint pool or the state stack.
 """
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import pytest
 
 import replayssm_jax as rs
 from replayssm_jax import config as config_lib
-from tests.helpers import max_err
+from tests.helpers import max_err, set_mosaic_rows
 from tests.test_mamba2_ops import make_params, mamba2_step_f64
 from tests.test_mamba2_verify import _token, _tokens
 
@@ -112,9 +111,7 @@ def test_compiled_mosaic_verify_rows_per_program(monkeypatch, rows):
   """The Mosaic verify with 2 or 4 batch rows per program (doubled SMEM buffers, the next row's
   TMA issued before the current row computes) against float64; with 4 one program takes the
   whole batch, padding row included, through two pairs."""
-  real = config_lib.mosaic_mamba2_verify_config
-  monkeypatch.setattr(config_lib, "mosaic_mamba2_verify_config",
-                      lambda **kw: dataclasses.replace(real(**kw), rows=rows))
+  set_mosaic_rows(monkeypatch, rows, "mosaic_mamba2_verify_config")
   errs = _run(jnp.float32, 4, 8, steps=8, seed=6, impl="pallas_mosaic")
   assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
 
