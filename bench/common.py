@@ -34,6 +34,11 @@ from jax import lax
 
 from replayssm_jax.pallas import common as pallas_common
 
+# CPU runs (--smoke) interpret the Mosaic arms, whose interpreter calls JAX from host callbacks: with
+# CPU async dispatch on, that can deadlock (pallas/common.mosaic_interpret_mode). Read at backend
+# start, so set on import, before any computation; GPU timing does not use the CPU client.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
 _T0 = time.perf_counter()

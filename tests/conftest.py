@@ -3,6 +3,8 @@
 * ``gpu``-marked tests (marker registered in pyproject.toml) are skipped unless JAX runs on a GPU.
 * ``implementation`` runs a test once per kernel implementation. On CPU a named Pallas
   implementation runs in interpret mode, so the real kernel bodies are exercised in CI.
+* CPU async dispatch is off: the Mosaic GPU interpreter calls JAX from host callbacks, which can
+  deadlock against async dispatch (``pallas.common.mosaic_interpret_mode``).
 * ``checked_mode`` turns ``rs.set_checks(True)`` on for one test and restores the previous value.
 
 float64 stays off (``jax_enable_x64`` is never turned on): the float64 oracles are numpy code.
@@ -21,6 +23,11 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# The Mosaic GPU interpreter calls JAX from host callbacks; with CPU async dispatch on, a test's
+# next dispatch can deadlock against one (CI hung twice in test_verify_decode_mosaic_variants).
+# Read once, when the CPU backend starts: set here, before any test computes.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 from replayssm_jax import _checks  # noqa: E402
 

@@ -8,6 +8,7 @@ outside every window. The interpreter ignores Mosaic layouts (16-row tiles run h
 not lower); the lowering tests cover the production tiles.
 """
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -312,3 +313,21 @@ def test_lowers_for_h200(kernel, state_dtype):
 def test_store_waits_are_compiled_not_interpreted(kernel):
   fn, _, args = _h200_call(kernel, "float32")
   assert_store_waits_only_compiled(fn, *args)
+
+
+def test_interpreting_under_async_cpu_dispatch_warns():
+  """The suite runs with CPU async dispatch off (conftest), so the Mosaic interpreter is used
+  silently; with it on, the Mosaic wrappers' interpret decision warns that it can deadlock."""
+  assert not jax.config.read("jax_cpu_enable_async_dispatch")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert common.mosaic_interpret_mode()
+  jax.config.update("jax_cpu_enable_async_dispatch", True)   # the running client keeps its mode
+  try:
+    with pytest.warns(RuntimeWarning, match="jax_cpu_enable_async_dispatch"):
+      assert common.mosaic_interpret_mode()
+    with warnings.catch_warnings(), common.force_lowering():
+      warnings.simplefilter("error")   # lowering for a GPU interprets nothing: no warning
+      assert not common.mosaic_interpret_mode()
+  finally:
+    jax.config.update("jax_cpu_enable_async_dispatch", False)

@@ -8,6 +8,7 @@ device and lower with ``lowering_platforms=("cuda",)``.
 import contextlib
 import contextvars
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,22 @@ def interpret_mode() -> bool:
   if _force_lowering.get():
     return False
   return jax.default_backend() == "cpu"
+
+
+def mosaic_interpret_mode() -> bool:
+  """``interpret_mode()`` for the Mosaic GPU kernels, warning once when interpreting them may hang.
+
+  The Mosaic GPU interpreter runs each kernel operation as a host callback that itself calls JAX.
+  With CPU async dispatch on (JAX's default), the caller's next dispatch can deadlock against
+  such a callback, an upstream JAX problem that hung a CI run of this project. The setting is read
+  when the CPU backend starts, so it must be off before JAX's first computation."""
+  interpret = interpret_mode()
+  if interpret and jax.config.read("jax_cpu_enable_async_dispatch"):
+    warnings.warn("interpreting a Pallas Mosaic GPU kernel with CPU async dispatch on can deadlock "
+                  "(the interpreter calls JAX from host callbacks); call "
+                  "jax.config.update('jax_cpu_enable_async_dispatch', False) before JAX's first "
+                  "computation", RuntimeWarning, stacklevel=2)
+  return interpret
 
 
 def device_kind() -> str:

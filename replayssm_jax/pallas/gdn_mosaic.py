@@ -588,7 +588,7 @@ def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None, rows=None):
                      smem=_num_buffers(cfg.rows) * _smem_bytes(cfg.block_v, kd, heads=1,
                                                                state_dtype=pool.dtype))
   return _decode(q, k, v, g, beta, pool, slots, scale=float(scale), cfg=cfg,
-                 interpret=common.interpret_mode())
+                 interpret=common.mosaic_interpret_mode())
 
 
 def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, scale, route="auto",
@@ -617,7 +617,7 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
                      block_v=cfg.block_v, ring_size=bufs.ring_size, smem=smem,
                      ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
   return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,
-                        interpret=common.interpret_mode())
+                        interpret=common.mosaic_interpret_mode())
 
 
 def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, scale,
@@ -642,7 +642,7 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
                      head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,
                      smem=smem, ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
   return _replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=float(scale), cfg=cfg,
-                        interpret=common.interpret_mode())
+                        interpret=common.mosaic_interpret_mode())
 
 
 def materialize(bufs: ReplayBuffers, slots, base, length, *, block_v=None):
@@ -655,4 +655,4 @@ def materialize(bufs: ReplayBuffers, slots, base, length, *, block_v=None):
   _require_lowerable("gdn.materialize[pallas_mosaic]", head_k_dim=bufs.head_k_dim,
                      head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,
                      smem=smem, ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
-  return _materialize(bufs, slots, base, length, cfg=cfg, interpret=common.interpret_mode())
+  return _materialize(bufs, slots, base, length, cfg=cfg, interpret=common.mosaic_interpret_mode())

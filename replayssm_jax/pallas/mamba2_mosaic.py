@@ -366,7 +366,7 @@ def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=N
                      smem=_num_buffers(cfg.rows) * _smem_bytes(cfg.block_v, n, heads=1,
                                                                state_dtype=pool.dtype))
   return _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, dt_softplus=dt_softplus, cfg=cfg,
-                 interpret=common.interpret_mode())
+                 interpret=common.mosaic_interpret_mode())
 
 
 def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z, dt_bias,
@@ -386,7 +386,7 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   cfg = _replay_tile(op, config_lib.mosaic_mamba2_replay_config, bufs, block_p, rows=rows,
                      batch=x.shape[0])
   return _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
-                        cfg=cfg, interpret=common.interpret_mode())
+                        cfg=cfg, interpret=common.mosaic_interpret_mode())
 
 
 def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, D, z, dt_bias,
@@ -402,7 +402,7 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
                      bufs, block_p, tokens=lambda bp: _token_scratch(given, x.shape[1], bp),
                      rows=rows, batch=x.shape[0])
   return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,
-                        cfg=cfg, interpret=common.interpret_mode())
+                        cfg=cfg, interpret=common.mosaic_interpret_mode())
 
 
 def _replay_tile(op, config, bufs, block_p, tokens=None, rows=None, batch=None):
