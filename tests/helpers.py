@@ -158,8 +158,8 @@ def lower_for_h200(fn, donate, *args) -> str:
 
 def assert_store_waits_only_compiled(fn, *args):
   """``fn``'s Mosaic kernels wait for their SMEM → GMEM stores when built for a GPU, and emit no
-  such wait when interpreted (``gdn_mosaic._drain_stores``: the interpreter's wait dispatches a
-  jax computation from inside a host callback, which hung a CI run). Each check traces afresh:
+  such wait when interpreted (``gdn_mosaic._drain_stores``: there it would only be one more host
+  callback calling JAX). Each check traces afresh:
   jit's trace cache does not see ``force_lowering``."""
   import jax
 

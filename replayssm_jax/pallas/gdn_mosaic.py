@@ -200,9 +200,9 @@ def _row_buffers(scratch: dict, rows: int) -> list[dict]:
 
 def _drain_stores(interpret: bool, *, read_only: bool = False):
   """Waits until this program's SMEM → GMEM copies have read SMEM (``read_only``) or landed.
-  Compiled only: the interpreter completes a copy when it is issued, and its wait compares the
-  count as a jax array inside a host callback, a computation dispatched from a callback that can
-  deadlock against the caller's own dispatches (a CI run hung on it)."""
+  Compiled only: the interpreter completes a copy when it is issued, so its wait would only be
+  one more host callback (each calls JAX; see ``common.mosaic_interpret_mode`` for the deadlock
+  that makes every such callback a risk under CPU async dispatch)."""
   if not interpret:
     plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
 
