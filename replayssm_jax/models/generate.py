@@ -224,8 +224,9 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   cfg = model.config
   max_new_tokens = _as_int("max_new_tokens", max_new_tokens, 1)
   _as_int("seed", seed, 0)
-  if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-    raise ValueError(f"temperature={temperature!r}; expected a float >= 0")
+  if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+      or not 0 <= temperature < float("inf")):
+    raise ValueError(f"temperature={temperature!r}; expected a finite float >= 0")
   speculative = _as_int("speculative", speculative, 0)
   if buffer_len is None:
     buffer_len = config_lib.buffer_len_for(speculative + 1)
@@ -271,7 +272,9 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   padded = np.zeros((bsz, cfg.max_prompt_len), np.int32)
   padded[:, :t] = prompts_np
   graphdef, params = nnx.split(model)
-  cache = model.init_cache(bsz, buffer_len=buffer_len, max_draft=speculative)
+  # KV capacity: the longest prompt, every generated token and one step's drafts.
+  cache = model.init_cache(bsz, buffer_len=buffer_len, max_draft=speculative,
+                           max_len=cfg.max_prompt_len + max_new_tokens + speculative)
   tokens, num, stats, _ = _generate_jit(
       graphdef, params, cache, jnp.asarray(padded), jnp.asarray(lengths_np), jax.random.PRNGKey(seed),
       max_new_tokens=max_new_tokens, replay=bool(replay), temperature=float(temperature),

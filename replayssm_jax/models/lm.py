@@ -1,23 +1,29 @@
-"""A small GatedDeltaNet / Mamba2 language model (functional NNX, explicit cache pytree).
+"""A hybrid language model of GatedDeltaNet, Mamba2 and attention layers (functional NNX,
+explicit cache pytree).
 
     h = embed(tokens)
-    N × { h = h + Mixer_i(rmsnorm(h));  h = h + MLP(rmsnorm(h)) }
+    N × { h = h + Mixer_i(rmsnorm(h));  h = h + MLP_i(rmsnorm(h)) }
     logits = head(rmsnorm(h))
 
-Mixer_i is a GatedDeltaNet or a Mamba2 layer, chosen per layer by ``LMConfig.layer_types``
-(default: all GatedDeltaNet). Hybrid checkpoints in the Mamba2 / Nemotron-H layout have blocks
-with a mixer only (``mixer_mlp=False``) and separate MLP-only blocks (layer type ``"mlp"``); the
-MLP is SwiGLU (Qwen) or relu² (Nemotron-H, ``mlp_act="relu2"``). The cache (``LMCache``) holds
-one cache per *mixer* block, in block order (``GdnLayerCache`` or ``Mamba2LayerCache``; MLP-only
-blocks have none), and the *one* ``ReplayCursor`` shared by all layers (their rings all have
-size ``buffer_len``): every decode step makes one plan, runs all layers with it and commits once
-(replay mode only; conventional mode leaves the cursor windows empty).
+Mixer_i is a GatedDeltaNet, a Mamba2 or a softmax-attention layer, chosen per layer by
+``LMConfig.layer_types`` (default: all GatedDeltaNet). Qwen3-Next / Qwen3.5 blocks carry a mixer
+and an MLP (``mixer_mlp=True``; ``mlp_types`` picks a dense SwiGLU or a mixture of experts per
+layer); Mamba2 / Nemotron-H checkpoints have mixer-only blocks (``mixer_mlp=False``) and separate
+MLP-only (``"mlp"``) or MoE-only (``"moe"``) blocks. Dense MLPs are SwiGLU (Qwen) or relu²
+(Nemotron-H, ``mlp_act="relu2"``).
+
+The cache (``LMCache``) holds one cache per *mixer* block, in block order (``GdnLayerCache``,
+``Mamba2LayerCache`` or ``AttentionLayerCache``), the *one* ``ReplayCursor`` shared by all
+recurrent layers (their rings all have size ``buffer_len``: every decode step makes one plan,
+runs all layers with it and commits once; conventional mode leaves the windows empty) and the
+per-slot sequence lengths ``positions`` that every attention layer's KV cache is indexed by.
 
 Speculative decoding: ``logits, step = lm.verify(tokens [B, T], cache, slots)`` runs T tokens per
 row (the emitted token, then T-1 drafts) through every layer with one ``num_tokens=T`` plan and
-returns a ``VerifyStep`` (the cache with the drafts in the rings, the plan, the conv windows);
-``cache = lm.commit(step, num_accepted)`` keeps each row's accepted prefix: the cursor commit
-(the ring rollback) plus the conv-state rewind of every layer.
+returns a ``VerifyStep`` (the cache with the drafts in the rings and KV caches, the plan, the conv
+windows); ``cache = lm.commit(step, num_accepted)`` keeps each row's accepted prefix: the cursor
+commit (the ring rollback), the conv-state rewind of every recurrent layer and the position
+advance (the KV rollback: entries past a slot's position are never read).
 """
 import dataclasses
 
@@ -26,18 +32,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from replayssm_jax import _checks
+from replayssm_jax import _checks, _slots
 from replayssm_jax import config as config_lib
 from replayssm_jax import gdn
 from replayssm_jax import mamba2
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
+from replayssm_jax.models.attention import Attention, AttentionConfig, AttentionLayerCache
+from replayssm_jax.models import _conv
 from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, GdnLayerCache
 from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config, Mamba2LayerCache
 from replayssm_jax.pallas import common as pallas_common
 
 f32 = jnp.float32
-LAYER_TYPES = ("gdn", "mamba2")          # mixer layer types
-BLOCK_TYPES = LAYER_TYPES + ("mlp",)     # every value layer_types accepts ("mlp": MLP-only block)
+RECURRENT_TYPES = ("gdn", "mamba2")                 # mixers with a ReplaySSM state
+LAYER_TYPES = RECURRENT_TYPES + ("attention",)      # mixer layer types
+BLOCK_TYPES = LAYER_TYPES + ("mlp", "moe")          # every value layer_types accepts (MLP / MoE-only blocks)
+MLP_TYPES = ("dense", "moe")                        # the MLP of a mixer block (mixer_mlp=True)
 MLP_ACTS = ("swiglu", "relu2")
 
 
@@ -50,8 +60,9 @@ class LMConfig:
     hidden_size: D.
     num_layers: number of (mixer, MLP) blocks.
     num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel: GatedDeltaNet shape.
-    layer_types: one of "gdn" / "mamba2" / "mlp" per layer (None = all "gdn"); "mlp" is an
-      MLP-only block (h + MLP(rmsnorm(h)), no cache).
+    layer_types: one of "gdn" / "mamba2" / "attention" / "mlp" / "moe" per layer (None = all
+      "gdn"); "mlp" and "moe" are MLP-only blocks (h + MLP(rmsnorm(h)), no cache) with a dense
+      MLP or a mixture of experts.
     mamba2_num_heads, mamba2_head_dim, mamba2_num_groups, mamba2_state_dim: Mamba2 shape (H, P,
       G, N; the conv kernel is ``conv_kernel``), used by "mamba2" layers.
     intermediate_size: SwiGLU hidden width.
@@ -64,6 +75,9 @@ class LMConfig:
     mlp_act: "swiglu" (gate, up, down) or "relu2" (up, down; down(relu(up(x))²), Nemotron-H).
     norm_offset: the block and final RMSNorms scale by ``norm_offset + w`` (1.0 for the
       zero-centred norms of Qwen3-Next / Qwen3.5 checkpoints; 0.0 = plain ``w``).
+    attention: the AttentionConfig of every "attention" layer (required when there is one).
+    mlp_types: with ``mixer_mlp``, "dense" or "moe" per layer (None = all "dense"); entries of
+      layers without a mixer are ignored.
   """
   vocab_size: int
   hidden_size: int
@@ -85,6 +99,8 @@ class LMConfig:
   mixer_mlp: bool = True
   mlp_act: str = "swiglu"
   norm_offset: float = 0.0
+  attention: AttentionConfig | None = None
+  mlp_types: tuple | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "intermediate_size", "max_prompt_len"):
@@ -108,6 +124,17 @@ class LMConfig:
     object.__setattr__(self, "dtype", self.mixer().dtype)  # validates the mixer fields too
     if "mamba2" in types:
       self.mamba2_mixer()  # validates the Mamba2 fields
+    if "attention" in types and not isinstance(self.attention, AttentionConfig):
+      raise ValueError(f"layer_types has 'attention' layers but attention={self.attention!r}; "
+                       f"expected an AttentionConfig")
+    if self.attention is not None and not isinstance(self.attention, AttentionConfig):
+      raise ValueError(f"attention={self.attention!r}; expected None or an AttentionConfig")
+    mlps = ("dense",) * self.num_layers if self.mlp_types is None else self.mlp_types
+    if (isinstance(mlps, str) or not isinstance(mlps, (tuple, list)) or len(mlps) != self.num_layers
+        or any(m not in MLP_TYPES for m in mlps)):
+      raise ValueError(f"mlp_types={self.mlp_types!r}; expected None or {self.num_layers} entries, "
+                       f"each one of {MLP_TYPES}")
+    object.__setattr__(self, "mlp_types", tuple(mlps))
 
   @classmethod
   def tiny(cls, **overrides) -> "LMConfig":
@@ -131,6 +158,35 @@ class LMConfig:
     overrides.setdefault("layer_types", tuple(LAYER_TYPES[i % 2] for i in range(overrides.get("num_layers", 2))))
     return cls.tiny_mamba2(**overrides)
 
+  def to_dict(self) -> dict:
+    """JSON-ready fields (``from_dict`` inverts it)."""
+    d = dataclasses.asdict(self)
+    d["dtype"] = jnp.dtype(self.dtype).name
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "LMConfig":
+    """The LMConfig of ``to_dict`` output (e.g. a preempted engine's ``engine.json``)."""
+    d = dict(d)
+    d["dtype"] = jnp.dtype(d["dtype"])
+    for name in ("layer_types", "mlp_types"):
+      if d.get(name) is not None:
+        d[name] = tuple(d[name])
+    if d.get("attention") is not None:
+      d["attention"] = AttentionConfig(**d["attention"])
+    return cls(**d)
+
+  def block_mlp(self, i: int) -> str | None:
+    """The MLP of block i: "dense", "moe" or None (a mixer-only block)."""
+    kind = self.layer_types[i]
+    if kind in ("mlp", "moe"):
+      return "dense" if kind == "mlp" else "moe"
+    return self.mlp_types[i] if self.mixer_mlp else None
+
+  @property
+  def has_attention(self) -> bool:
+    return "attention" in self.layer_types
+
   def mixer(self) -> GatedDeltaNetConfig:
     return GatedDeltaNetConfig(hidden_size=self.hidden_size, num_k_heads=self.num_k_heads,
                                num_v_heads=self.num_v_heads, head_k_dim=self.head_k_dim,
@@ -149,11 +205,15 @@ class LMCache:
   """Decode cache of the LM: per-layer caches and the shared cursor.
 
   Attributes:
-    layers: tuple with one cache per layer (GdnLayerCache or Mamba2LayerCache, by layer type).
-    cursor: the ReplayCursor of every slot, shared by all layers.
+    layers: tuple with one cache per mixer block (GdnLayerCache, Mamba2LayerCache or
+      AttentionLayerCache, by layer type).
+    cursor: the ReplayCursor of every slot, shared by all recurrent layers.
+    positions: int32[N] tokens in each slot's sequence (the position of its next token), shared
+      by all attention layers: KV entries at positions >= positions[n] are never read.
   """
   layers: tuple
   cursor: ReplayCursor
+  positions: jax.Array
 
 
 @flax.struct.dataclass
@@ -161,10 +221,11 @@ class VerifyStep:
   """A verified, not yet committed step of ``LM.verify``; ``LM.commit`` turns it into an LMCache.
 
   Attributes:
-    cache: LMCache with the T tokens in every layer's ring; cursor and conv states unchanged.
+    cache: LMCache with the T tokens in every layer's ring and KV cache; cursor, positions and
+      conv states unchanged.
     plan: the shared ``num_tokens=T`` ReplayPlan of the step.
-    windows: tuple with one conv window [B, W-1+T, C] per mixer block (its stored inputs, then the
-      T tokens' pre-conv inputs).
+    windows: tuple with one entry per mixer block: the conv window [B, W-1+T, C] of a recurrent
+      layer (its stored inputs, then the T tokens' pre-conv inputs), None for attention.
   """
   cache: LMCache
   plan: ReplayPlan
@@ -213,21 +274,27 @@ class ReluSquaredMLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  """h + Mixer(norm(h)) (unless "mlp"), then + MLP(norm(h)) (if "mlp" or ``mixer_mlp``).
+  """h + Mixer(norm(h)) (if the block has a mixer), then + MLP(norm(h)) (if it has an MLP).
 
-  Mixer is GatedDeltaNet ("gdn") or Mamba2 ("mamba2"); "mlp" blocks have no mixer and no cache.
+  Mixer is GatedDeltaNet ("gdn"), Mamba2 ("mamba2") or Attention ("attention"); "mlp" / "moe"
+  blocks have no mixer and no cache. The MLP (``LMConfig.block_mlp``) is dense (SwiGLU or relu²)
+  or a mixture of experts.
   """
 
-  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs, layer_type: str = "gdn"):
+  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs, layer_type: str = "gdn",
+               mlp_type: str | None = "dense"):
     c = config
     self.layer_type = layer_type
-    self.has_mixer = layer_type != "mlp"
-    self.has_mlp = layer_type == "mlp" or c.mixer_mlp
+    self.has_mixer = layer_type in LAYER_TYPES
+    self.has_mlp, self.mlp_type = mlp_type is not None, mlp_type
     norm = lambda: RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype, offset=c.norm_offset)
     if self.has_mixer:
       self.mixer_norm = norm()
       if layer_type == "mamba2":
         self.mixer = Mamba2(c.mamba2_mixer(), rngs=rngs)
+      elif layer_type == "attention":
+        self.mixer = Attention(c.attention, hidden_size=c.hidden_size, dtype=c.dtype,
+                               rms_eps=c.rms_eps, rngs=rngs)
       else:
         self.mixer = GatedDeltaNet(c.mixer(), rngs=rngs)
     if self.has_mlp:
@@ -244,7 +311,8 @@ class LM(nnx.Module):
       raise ValueError(f"config must be an LMConfig; got {type(config).__name__}")
     self.config = c = config
     self.embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.dtype, rngs=rngs)
-    self.blocks = nnx.List([Block(c, rngs=rngs, layer_type=t) for t in c.layer_types])
+    self.blocks = nnx.List([Block(c, rngs=rngs, layer_type=t, mlp_type=c.block_mlp(i))
+                            for i, t in enumerate(c.layer_types)])
     self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype, offset=c.norm_offset)
     self.head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=c.dtype,
                            param_dtype=c.dtype, rngs=rngs)
@@ -258,13 +326,31 @@ class LM(nnx.Module):
     return [b for b in self.blocks if b.has_mixer]
 
   def init_cache(self, num_slots: int, *, buffer_len: int = 16, max_draft: int = 0,
-                 state_dtype=jnp.float32, ring_dtype=None) -> LMCache:
-    """Zeroed cache for ``num_slots`` slots with ReplaySSM buffer length ``buffer_len``; rings
-    sized for ``verify`` steps of up to ``max_draft`` drafts (``num_tokens <= max_draft + 1``)."""
+                 state_dtype=jnp.float32, ring_dtype=None, max_len: int | None = None,
+                 kv_dtype=None) -> LMCache:
+    """Zeroed cache for ``num_slots`` slots.
+
+    Args:
+      num_slots: pool size N.
+      buffer_len: ReplaySSM buffer length L of the recurrent layers.
+      max_draft: rings sized for ``verify`` steps of up to ``max_draft`` drafts
+        (``num_tokens <= max_draft + 1``).
+      state_dtype, ring_dtype: recurrent checkpoint and ring dtypes (``ReplayBuffers.create``).
+      max_len: KV capacity in tokens per slot (prompt + generated + drafts); required when the
+        model has attention layers.
+      kv_dtype: KV cache dtype (default: the model dtype).
+    """
+    if self.config.has_attention and max_len is None:
+      raise ValueError("max_len=None but the model has attention layers; expected the KV cache "
+                       "capacity in tokens per slot (prompt + generated tokens + drafts)")
     cursor = ReplayCursor.create(num_slots, buffer_len=buffer_len, max_draft=max_draft)
-    layers = tuple(b.mixer.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype)
-                   for b in self.mixer_blocks)
-    return LMCache(layers=layers, cursor=cursor)
+    layers = []
+    for b in self.mixer_blocks:
+      if b.layer_type == "attention":
+        layers.append(b.mixer.init_cache(num_slots, max_len, dtype=kv_dtype))
+      else:
+        layers.append(b.mixer.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype))
+    return LMCache(layers=tuple(layers), cursor=cursor, positions=jnp.zeros((num_slots,), jnp.int32))
 
   def _check_tokens(self, name, tokens, ndim, what):
     _checks.expect_dtype(name, tokens, (jnp.int32,))
@@ -289,8 +375,21 @@ class LM(nnx.Module):
         h = h + self._mixed(y)
         layers.append(lc)
       if block.has_mlp:
-        h = h + block.mlp(block.mlp_norm(h))
+        y = block.mlp(block.mlp_norm(h))
+        # Experts are split over the tensor-parallel axis (partial sums); dense MLPs are replicated.
+        h = h + (self._mixed(y) if block.mlp_type == "moe" else y)
     return h, tuple(layers)
+
+  def _start(self, cache, slots):
+    """int32[B]: each row's slot position (its sequence length so far); 0 on padding rows."""
+    return jnp.where(slots >= 0, cache.positions[jnp.where(slots >= 0, slots, 0)], 0)
+
+  def _advance(self, cache, slots, start, count):
+    """positions[slots[b]] = start[b] + count[b] on live rows."""
+    return _slots.scatter_rows(cache.positions, slots, start + count)
+
+  def _head(self, h):
+    return self.head(self.final_norm(h)).astype(f32)
 
   def prefill(self, tokens, cache: LMCache, slots, lengths, *, resume=False):
     """Right-padded prompts; writes the slots' caches and empties their windows.
@@ -301,23 +400,34 @@ class LM(nnx.Module):
       slots: int32[B] pool slots (negative = padding row).
       lengths: int32[B] in [0, T].
       resume: False: every row starts from an empty state. True: row b continues its slot's
-        current sequence (exact state = checkpoint ⊕ window, and the stored conv inputs), e.g.
-        the rest of a prompt after a prefix-cache hit.
+        current sequence (exact state = checkpoint ⊕ window, the stored conv inputs and the
+        KV entries before the slot's position), e.g. the rest of a prompt after a prefix-cache hit.
 
     Returns:
       (logits [B, T, vocab] float32 — only positions < lengths[b] are meaningful; cache).
     """
     self._check_tokens("tokens", tokens, 2, "(int32[B, T])")
     self._check_cache(cache)
+    self._check_capacity(cache, tokens.shape[1], resume)
     ops = {GdnLayerCache: gdn, Mamba2LayerCache: mamba2}
+    real = _conv.real_positions(tokens[..., None], slots, lengths)           # [B, T]
+    start = self._start(cache, slots) if resume else jnp.zeros_like(lengths)
 
     def mixer_fn(block, x, lc):
+      if isinstance(lc, AttentionLayerCache):
+        return block.mixer.step(x, lc, slots, start, real)
       S0 = ops[type(lc)].materialize(lc.bufs, cache.cursor, slots) if resume else None
       return block.mixer.prefill(x, lc, slots, lengths, initial_state=S0)
 
     h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
-    logits = self.head(self.final_norm(h)).astype(f32)
-    return logits, LMCache(layers=layers, cursor=cache.cursor.reset(slots))
+    return self._head(h), LMCache(layers=layers, cursor=cache.cursor.reset(slots),
+                                  positions=self._advance(cache, slots, start, lengths))
+
+  def _check_capacity(self, cache, num_tokens, resume):
+    for lc in cache.layers:
+      if isinstance(lc, AttentionLayerCache) and not resume and num_tokens > lc.max_len:
+        raise ValueError(f"tokens has {num_tokens} positions per row but the KV cache holds "
+                         f"max_len={lc.max_len} tokens per slot (init_cache(max_len=))")
 
   def decode(self, tokens, cache: LMCache, slots, *, replay=True, implementation=None,
              force_flush=None, flush_all=None):
@@ -344,29 +454,34 @@ class LM(nnx.Module):
     if flush_all is None:
       flush_all = replay and self._small_batch(cache, tokens.shape[0])
     plan = cache.cursor.plan(slots, force_flush=force_flush, flush_all=bool(flush_all))
+    start, live = self._start(cache, slots), slots >= 0
 
     def mixer_fn(block, x, lc):
+      if isinstance(lc, AttentionLayerCache):
+        y, lc = block.mixer.step(x[:, None], lc, slots, start, live[:, None])
+        return y[:, 0], lc
       return block.mixer.decode(x, lc, plan, replay=replay, implementation=implementation)
 
     h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
-    logits = self.head(self.final_norm(h)).astype(f32)
     # Conventional mode never appends to the ring, so the windows stay empty and are not advanced.
     cursor = cache.cursor.commit(plan) if replay else cache.cursor
-    return logits, LMCache(layers=layers, cursor=cursor)
+    return self._head(h), LMCache(layers=layers, cursor=cursor,
+                                  positions=self._advance(cache, slots, start, jnp.ones_like(start)))
 
   @staticmethod
   def _small_batch(cache: LMCache, batch: int) -> bool:
-    """The flush-every-step policy: on below ``config.replay_min_batch`` of every mixer family in
-    the model (one plan serves all layers, so a hybrid flushes only where each family measured a
-    loss for replay)."""
+    """The flush-every-step policy: on below ``config.replay_min_batch`` of every recurrent
+    family in the model (one plan serves all layers, so a hybrid flushes only where each family
+    measured a loss for replay)."""
     families = {GdnLayerCache: "gdn", Mamba2LayerCache: "mamba2"}
-    if not cache.layers:
+    recurrent = [lc for lc in cache.layers if type(lc) in families]
+    if not recurrent:
       return False
     threshold = min(config_lib.replay_min_batch(device_kind=pallas_common.device_kind(),
                                                 state_dtype=lc.bufs.state.dtype,
                                                 buffer_len=cache.cursor.buffer_len,
                                                 family=families[type(lc)])
-                    for lc in cache.layers)
+                    for lc in recurrent)
     return batch < threshold
 
   def verify(self, tokens, cache: LMCache, slots, *, lengths=None, implementation=None,
@@ -391,25 +506,32 @@ class LM(nnx.Module):
     """
     self._check_tokens("tokens", tokens, 2, "(int32[B, T])")
     self._check_cache(cache)
-    plan = cache.cursor.plan(slots, num_tokens=tokens.shape[1], force_flush=force_flush)
+    t = tokens.shape[1]
+    plan = cache.cursor.plan(slots, num_tokens=t, force_flush=force_flush)
+    start = self._start(cache, slots)
+    n_real = _slots.check_lengths(lengths, tokens.shape[0], t, slots)
+    valid = (jnp.arange(t)[None, :] < n_real[:, None]) & (slots >= 0)[:, None]
     windows = []
 
     def mixer_fn(block, x, lc):
+      if isinstance(lc, AttentionLayerCache):
+        windows.append(None)
+        return block.mixer.step(x, lc, slots, start, valid)
       y, lc, window = block.mixer.verify(x, lc, plan, lengths=lengths, implementation=implementation)
       windows.append(window)
       return y, lc
 
     h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
-    logits = self.head(self.final_norm(h)).astype(f32)
-    return logits, VerifyStep(cache=LMCache(layers=layers, cursor=cache.cursor), plan=plan,
-                              windows=tuple(windows))
+    return self._head(h), VerifyStep(cache=cache.replace(layers=layers), plan=plan,
+                                     windows=tuple(windows))
 
   def commit(self, step: VerifyStep, num_accepted) -> LMCache:
     """Keeps the first ``num_accepted[b]`` tokens of each row of a ``verify`` step (the rollback).
 
     The shared cursor advances by the accepted counts (rejected drafts stay unfolded past the
-    window and are overwritten later) and every layer's conv state rolls forward by the accepted
-    tokens only. Afterwards the cache equals one that decoded just the accepted tokens.
+    window and are overwritten later), every recurrent layer's conv state rolls forward by the
+    accepted tokens only, and each slot's position advances by its accepted count (rejected KV
+    entries sit past it). Afterwards the cache equals one that decoded just the accepted tokens.
 
     Args:
       step: the VerifyStep of ``verify``.
@@ -420,10 +542,39 @@ class LM(nnx.Module):
     """
     if not isinstance(step, VerifyStep):
       raise ValueError(f"step must be the VerifyStep of LM.verify; got {type(step).__name__}")
-    cursor = step.cache.cursor.commit(step.plan, num_accepted)
-    layers = tuple(b.mixer.commit(lc, w, step.plan, num_accepted)
-                   for b, lc, w in zip(self.mixer_blocks, step.cache.layers, step.windows))
-    return LMCache(layers=layers, cursor=cursor)
+    cache, plan = step.cache, step.plan
+    cursor = cache.cursor.commit(plan, num_accepted)
+    layers = tuple(lc if w is None else b.mixer.commit(lc, w, plan, num_accepted)
+                   for b, lc, w in zip(self.mixer_blocks, cache.layers, step.windows))
+    start = self._start(cache, plan.slots)
+    return LMCache(layers=layers, cursor=cursor,
+                   positions=self._advance(cache, plan.slots, start, num_accepted))
+
+  def copy_slots(self, cache: LMCache, src, dst) -> LMCache:
+    """Every layer's cache and the slot state of ``src[i]`` → ``dst[i]`` (prefix snapshots).
+
+    Recurrent layers copy checkpoint, ring, window (``copy_slots`` of their family) and conv
+    state; attention layers copy the slot's KV row; the position is copied too.
+
+    Args:
+      cache: LMCache.
+      src, dst: int32[B] slots (negative entries in either: that pair is skipped).
+    """
+    self._check_cache(cache)
+    _checks.expect_slots("src", src)
+    _checks.expect_slots("dst", dst, src.shape[0])
+    ops = {GdnLayerCache: gdn, Mamba2LayerCache: mamba2}
+    live = (src >= 0) & (dst >= 0)
+    take, put = jnp.where(live, src, 0), jnp.where(live, dst, -1)
+    copy_rows = lambda x: _slots.scatter_rows(x, put, x[take])
+    layers, cursor = [], cache.cursor
+    for lc in cache.layers:
+      if isinstance(lc, AttentionLayerCache):
+        layers.append(AttentionLayerCache(k=copy_rows(lc.k), v=copy_rows(lc.v)))
+        continue
+      bufs, cursor = ops[type(lc)].copy_slots(lc.bufs, cache.cursor, src, dst)
+      layers.append(lc.replace(bufs=bufs, conv_state=copy_rows(lc.conv_state)))
+    return LMCache(layers=tuple(layers), cursor=cursor, positions=copy_rows(cache.positions))
 
 
 def make_model(config: LMConfig | None = None, seed: int = 0) -> LM:

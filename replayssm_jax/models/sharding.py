@@ -8,11 +8,15 @@ Mamba2 kernels see local heads only. Per mixer:
 * column-parallel: ``in_proj`` columns and the conv channels (q|k|v|z|b|a for GDN, z|x|B|C|dt for
   Mamba2) are regrouped device-major (each device's slice of every group, contiguous), per-head
   vectors (``A_log``, ``dt_bias``, ``D``, Mamba2 ``norm_weight``) split by head;
-* row-parallel: ``out_proj`` rows split by head, the partial outputs summed with ``psum``;
-* replicated: embedding, norms, MLPs, head, the GDN gated-norm weight and the cursor.
+* attention: ``q_proj`` (per head [q | gate]), ``k_proj``, ``v_proj`` columns split by head
+  (query heads and key/value heads alike), ``o_proj`` rows split by head; q/k norms replicated;
+* row-parallel: ``out_proj`` / ``o_proj`` rows split by head, the partial outputs summed with
+  ``psum``;
+* replicated: embedding, norms, dense MLPs, head, the GDN gated-norm weight, the cursor and the
+  slot positions.
 
-The cache is sharded the same way: checkpoints and rings on their head axis, the conv state on
-its (device-major) channel axis. ``shard_cache`` / ``unshard_cache`` convert between the
+The cache is sharded the same way: checkpoints and rings on their head axis, KV caches on their
+key/value-head axis, the conv state on its (device-major) channel axis. ``shard_cache`` / ``unshard_cache`` convert between the
 unsharded model's cache layout and the sharded one. Outputs equal the unsharded model's up to
 float summation order (``psum`` of per-device partial ``out_proj`` products).
 """
@@ -24,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from replayssm_jax.models.attention import AttentionLayerCache
 from replayssm_jax.models.lm import LM, LMCache
 
 
@@ -60,6 +65,14 @@ class ShardedLM:
     if "mamba2" in types:
       checks += [("mamba2_num_heads", c.mamba2_num_heads), ("mamba2_num_groups", c.mamba2_num_groups)]
       local.update(mamba2_num_heads=c.mamba2_num_heads // tp, mamba2_num_groups=c.mamba2_num_groups // tp)
+    if "attention" in types:
+      a = c.attention
+      if a.bias:
+        raise NotImplementedError("shard_model of attention layers with projection biases: the "
+                                  "row-parallel o_proj would add its bias once per device")
+      checks += [("attention.num_kv_heads", a.num_kv_heads)]
+      local["attention"] = dataclasses.replace(a, num_heads=a.num_heads // tp,
+                                               num_kv_heads=a.num_kv_heads // tp)
     for name, value in checks:
       if value % tp:
         raise ValueError(f"{name}={value} is not a multiple of the mesh axis {axis!r} size {tp}; "
@@ -102,6 +115,11 @@ class ShardedLM:
     kind = self.model.blocks[keys[keys.index("blocks") + 1]].layer_type
     name = "/".join(str(k) for k in keys[keys.index("mixer") + 1:])
     a = self.axis
+    if kind == "attention":
+      # Head-major columns (q_proj: [q_h | gate_h] per head), so a contiguous split is by head.
+      if name in ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel"):
+        return x, P(None, a)
+      return (x, P(a, None)) if name == "o_proj/kernel" else (x, P())   # q_norm, k_norm
     if name == "in_proj/kernel":
       return _regroup(x, 1, self._groups(kind, "in_proj"), self.tp, to_device_major=True), P(None, a)
     if name == "conv_weight":
@@ -118,14 +136,21 @@ class ShardedLM:
     a = self.axis
     layers = []
     for lc in cache.layers:
+      if isinstance(lc, AttentionLayerCache):
+        layers.append(AttentionLayerCache(k=P(None, None, a), v=P(None, None, a)))
+        continue
       bufs = jax.tree.map(lambda _: P(None, a), lc.bufs)
       layers.append(lc.replace(conv_state=P(None, None, a), bufs=bufs))
-    return LMCache(layers=tuple(layers), cursor=jax.tree.map(lambda _: P(), cache.cursor))
+    return LMCache(layers=tuple(layers), cursor=jax.tree.map(lambda _: P(), cache.cursor),
+                   positions=P())
 
   def _convert_cache(self, cache, *, to_sharded):
     kinds = [b.layer_type for b in self.model.mixer_blocks]
     layers = []
     for kind, lc in zip(kinds, cache.layers):
+      if kind == "attention":
+        layers.append(lc)
+        continue
       conv = _regroup(lc.conv_state, 2, self._groups(kind, "conv"), self.tp, to_device_major=to_sharded)
       layers.append(lc.replace(conv_state=conv))
     return cache.replace(layers=tuple(layers))
