@@ -65,6 +65,9 @@ class EngineConfig:
     prefix_block: prefix-cache block in tokens; 0 turns prefix caching off.
     prefix_slots: pool slots for prefix snapshots (>= 1 when prefix_block > 0).
     max_prompt_len: longest prompt accepted; None = the model's ``config.max_prompt_len``.
+    max_seq_len: tokens per request (prompt + generated) the KV cache of each slot holds, for
+      models with attention layers; None = max_prompt_len + 1024. A request that could exceed
+      it is refused at ``submit``.
     state_dtype, ring_dtype: cache dtypes (see ``LM.init_cache``).
     implementation: forwarded to the GDN / Mamba2 ops (None = fastest available).
   """
@@ -75,6 +78,7 @@ class EngineConfig:
   prefix_block: int = 0
   prefix_slots: int = 0
   max_prompt_len: int | None = None
+  max_seq_len: int | None = None
   state_dtype: str = "float32"
   ring_dtype: str | None = None
   implementation: str | None = None
@@ -93,8 +97,10 @@ class EngineConfig:
     if self.prefix_block and not self.prefix_slots:
       raise ValueError(f"prefix_block={self.prefix_block} with prefix_slots=0; expected prefix_slots "
                        f">= 1 to hold the snapshots")
-    if self.max_prompt_len is not None and (not isinstance(self.max_prompt_len, int) or self.max_prompt_len < 1):
-      raise ValueError(f"max_prompt_len={self.max_prompt_len!r}; expected None or an int >= 1")
+    for name in ("max_prompt_len", "max_seq_len"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name}={value!r}; expected None or an int >= 1")
     if not isinstance(self.replay, bool):
       raise ValueError(f"replay={self.replay!r}; expected a bool")
 
@@ -162,22 +168,15 @@ def _decode_impl(graphdef, params, cache, tokens, slots, force, temps, seeds, po
   return _sample(logits, temps, seeds, positions), cache
 
 
-def _copy_impl(cache, src, dst):
-  """Every layer's buffers + conv state and the cursor of slot src[0] → dst[0]."""
-  layers, cursor = [], cache.cursor
-  for lc in cache.layers:
-    ops = gdn if isinstance(lc, GdnLayerCache) else mamba2
-    bufs, cur = ops.copy_slots(lc.bufs, cache.cursor, src, dst)
-    conv = lc.conv_state.at[dst].set(lc.conv_state[src])
-    layers.append(lc.replace(bufs=bufs, conv_state=conv))
-    cursor = cur
-  return cache.replace(layers=tuple(layers), cursor=cursor)
+def _copy_impl(graphdef, params, cache, src, dst):
+  """Every layer's cache and the slot state of slot src[0] → dst[0] (``LM.copy_slots``)."""
+  return nnx.merge(graphdef, params).copy_slots(cache, src, dst)
 
 
 _prefill_jit = jax.jit(_prefill_impl, donate_argnames=("cache",), static_argnames=("graphdef", "resume"))
 _decode_jit = jax.jit(_decode_impl, donate_argnames=("cache",),
                       static_argnames=("graphdef", "replay", "implementation"))
-_copy_jit = jax.jit(_copy_impl, donate_argnames=("cache",))
+_copy_jit = jax.jit(_copy_impl, donate_argnames=("cache",), static_argnames=("graphdef",))
 
 
 class Engine:
@@ -201,10 +200,13 @@ class Engine:
     self.max_prompt_len = config.max_prompt_len or model.config.max_prompt_len
     if config.prefix_block and config.prefix_block > self.max_prompt_len:
       raise ValueError(f"prefix_block={config.prefix_block} exceeds max_prompt_len={self.max_prompt_len}")
+    # KV capacity per slot (attention layers only): a request's prompt and generated tokens.
+    self.max_seq_len = config.max_seq_len or self.max_prompt_len + 1024
+    if model.config.has_attention and self.max_seq_len < self.max_prompt_len + 1:
+      raise ValueError(f"max_seq_len={self.max_seq_len} leaves no room to generate after a prompt "
+                       f"of max_prompt_len={self.max_prompt_len} tokens")
     self._graphdef, self._params = nnx.split(model)
-    self._cache = _cache if _cache is not None else model.init_cache(
-        config.num_slots, buffer_len=config.buffer_len, state_dtype=jnp.dtype(config.state_dtype),
-        ring_dtype=None if config.ring_dtype is None else jnp.dtype(config.ring_dtype))
+    self._cache = _cache if _cache is not None else _init_cache(model, config, self.max_seq_len)
     self._requests: dict[str, _Request] = {}
     self._waiting: collections.deque = collections.deque()
     self._running: list[str] = []
@@ -220,9 +222,19 @@ class Engine:
 
   def submit(self, prompt, *, max_new_tokens: int, stop_tokens=(), temperature: float = 0.0,
              seed: int = 0, request_id: str | None = None) -> str:
-    """Queues a request; returns its id. ``prompt``: token ids (1 to max_prompt_len of them)."""
+    """Queues a request; returns its id.
+
+    Args:
+      prompt: token ids, a flat sequence of ints (1 to max_prompt_len of them).
+      max_new_tokens: tokens to generate at most (>= 1); with attention layers, prompt +
+        max_new_tokens must fit ``max_seq_len``.
+      stop_tokens: ids that end the request (the stop token is emitted).
+      temperature: 0 = greedy, else sampling from softmax(logits / temperature); finite.
+      seed: sampling seed (tokens do not depend on the batch).
+      request_id: optional id (default ``req<N>``).
+    """
     self._check_open()
-    prompt = [int(t) for t in np.asarray(prompt).reshape(-1)]
+    prompt = _token_ids("prompt", prompt)
     vocab = self.model.config.vocab_size
     if not 1 <= len(prompt) <= self.max_prompt_len:
       raise ValueError(f"prompt has {len(prompt)} tokens; expected 1 to max_prompt_len = "
@@ -231,9 +243,16 @@ class Engine:
       raise ValueError(f"prompt holds ids in [{min(prompt)}, {max(prompt)}]; expected [0, {vocab})")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens!r}; expected an int >= 1")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-      raise ValueError(f"temperature={temperature!r}; expected a float >= 0")
-    stops = [int(s) for s in stop_tokens]
+    if self.model.config.has_attention and len(prompt) + max_new_tokens > self.max_seq_len:
+      raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds "
+                       f"max_seq_len={self.max_seq_len}, the KV cache capacity per request "
+                       f"(EngineConfig.max_seq_len)")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+        or not 0 <= temperature < float("inf")):
+      raise ValueError(f"temperature={temperature!r}; expected a finite float >= 0")
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**31:
+      raise ValueError(f"seed={seed!r}; expected an int in [0, 2**31)")
+    stops = _token_ids("stop_tokens", stop_tokens)
     if any(not 0 <= s < vocab for s in stops):
       raise ValueError(f"stop_tokens={stops}; expected ids in [0, {vocab})")
     rid = request_id if request_id is not None else f"req{len(self._requests)}"
@@ -331,7 +350,8 @@ class Engine:
       hit = self._snapshots.get(tuple(p[:k]))
       if hit is not None:
         self._snapshots.move_to_end(tuple(p[:k]))
-        self._cache = _copy_jit(self._cache, jnp.array([hit], jnp.int32), slots)
+        self._cache = _copy_jit(self._graphdef, self._params, self._cache,
+                                 jnp.array([hit], jnp.int32), slots)
         self.prefix_hits += 1
         r.prefix_hit = start = k
         break
@@ -357,7 +377,8 @@ class Engine:
       _, evicted = self._snapshots.popitem(last=False)
       self._free_snapshots.append(evicted)
     dst = self._free_snapshots.pop(0)
-    self._cache = _copy_jit(self._cache, jnp.array([slot], jnp.int32), jnp.array([dst], jnp.int32))
+    self._cache = _copy_jit(self._graphdef, self._params, self._cache, jnp.array([slot], jnp.int32),
+                             jnp.array([dst], jnp.int32))
     self._snapshots[key] = dst
 
   def _decode(self) -> list:
@@ -419,9 +440,8 @@ class Engine:
     ckptr.save(path / "params", self._params)
     ckptr.save(path / "cache", self._cache)
     ckptr.wait_until_finished()
-    model_cfg = dataclasses.asdict(self.model.config) | {"dtype": jnp.dtype(self.model.config.dtype).name}
     state = {
-        "model_config": model_cfg, "engine_config": dataclasses.asdict(self.config),
+        "model_config": self.model.config.to_dict(), "engine_config": dataclasses.asdict(self.config),
         "requests": [dataclasses.asdict(r) for r in self._requests.values()],
         "waiting": list(self._waiting), "running": self._running, "free": self._free,
         "snapshots": [[list(k), v] for k, v in self._snapshots.items()],
@@ -436,29 +456,57 @@ class Engine:
     """Rebuilds a preempted engine (model, cache, requests) from ``directory`` and continues."""
     import orbax.checkpoint as ocp
     path = pathlib.Path(directory).absolute()
-    state = json.loads((path / "engine.json").read_text())
-    mc = state["model_config"]
-    mc["dtype"] = jnp.dtype(mc["dtype"])
-    mc["layer_types"] = tuple(mc["layer_types"])
-    model_config = LMConfig(**mc)
-    ec = state["engine_config"]
-    ec["batch_buckets"] = tuple(ec["batch_buckets"])
-    config = EngineConfig(**ec)
+    state_file = path / "engine.json"
+    if not state_file.is_file():
+      raise ValueError(f"directory={str(path)!r} has no engine.json; expected a directory written "
+                       f"by Engine.preempt")
+    try:
+      state = json.loads(state_file.read_text())
+      model_config = LMConfig.from_dict(state["model_config"])
+      ec = dict(state["engine_config"])
+      ec["batch_buckets"] = tuple(ec["batch_buckets"])
+      config = EngineConfig(**ec)
+      requests = {r["rid"]: _Request(**r) for r in state["requests"]}
+      scheduler = [state[k] for k in ("waiting", "running", "free", "snapshots", "free_snapshots",
+                                      "clock", "counters")]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"{state_file} is not a valid engine state written by Engine.preempt "
+                       f"({type(e).__name__}: {e})") from None
+    waiting, running, free, snapshots, free_snapshots, clock, counters = scheduler
     abstract = nnx.eval_shape(lambda: LM(model_config, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
     ckptr = ocp.StandardCheckpointer()
     params = ckptr.restore(path / "params", abstract_params)
     model = nnx.merge(graphdef, params)
-    abstract_cache = jax.eval_shape(lambda: model.init_cache(
-        config.num_slots, buffer_len=config.buffer_len, state_dtype=jnp.dtype(config.state_dtype),
-        ring_dtype=None if config.ring_dtype is None else jnp.dtype(config.ring_dtype)))
+    max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
+    abstract_cache = jax.eval_shape(lambda: _init_cache(model, config, max_seq_len))
     cache = ckptr.restore(path / "cache", abstract_cache)
     engine = cls(model, config, _cache=cache)
-    engine._requests = {r["rid"]: _Request(**r) for r in state["requests"]}
-    engine._waiting = collections.deque(state["waiting"])
-    engine._running, engine._free = state["running"], state["free"]
-    engine._snapshots = collections.OrderedDict((tuple(k), v) for k, v in state["snapshots"])
-    engine._free_snapshots = state["free_snapshots"]
-    engine._clock_base, engine._t0 = state["clock"], time.perf_counter()
-    engine.prefix_lookups, engine.prefix_hits, engine.steps, engine._warned = state["counters"]
+    engine._requests = requests
+    engine._waiting = collections.deque(waiting)
+    engine._running, engine._free = running, free
+    engine._snapshots = collections.OrderedDict((tuple(k), v) for k, v in snapshots)
+    engine._free_snapshots = free_snapshots
+    engine._clock_base, engine._t0 = clock, time.perf_counter()
+    engine.prefix_lookups, engine.prefix_hits, engine.steps, engine._warned = counters
     return engine
+
+
+def _init_cache(model: LM, config: EngineConfig, max_seq_len: int):
+  return model.init_cache(
+      config.num_slots, buffer_len=config.buffer_len, state_dtype=jnp.dtype(config.state_dtype),
+      ring_dtype=None if config.ring_dtype is None else jnp.dtype(config.ring_dtype),
+      max_len=max_seq_len)
+
+
+def _token_ids(name: str, ids) -> list:
+  """A flat sequence of integer token ids (possibly empty) → list[int]; anything else
+  (floats, nested or ragged lists, strings) is a ValueError."""
+  try:
+    array = np.asarray(ids)
+  except (ValueError, TypeError):
+    array = None
+  if array is None or array.ndim != 1 or not (array.dtype.kind in "iu" or array.size == 0):
+    shown = repr(ids) if len(repr(ids)) < 80 else repr(ids)[:77] + "..."
+    raise ValueError(f"{name}={shown}; expected a flat sequence of integer token ids")
+  return [int(t) for t in array]
