@@ -5,10 +5,12 @@ the flag only takes effect before JAX creates its CPU backend, which the test se
 pytest-xdist worker) has already done, and changing the device count in-process would disturb
 every other test. The subprocess imports this module and calls ``_check``.
 
-For a hybrid stack (GatedDeltaNet and Mamba2 layers, heads split 4 ways): prefill, then 10 decode
-steps with buffer_len 4 (natural flushes) plus one forced flush, in replay and conventional mode:
-sharded logits == unsharded logits (float32, up to the psum's summation order), greedy tokens
-identical, and every cache array (checkpoints, rings, conv states, cursor) equal after unsharding.
+For two hybrid stacks — GatedDeltaNet and Mamba2 layers; and GatedDeltaNet, attention, Mamba2 and
+a mixture of experts (in a mixer block and in an MoE-only block), heads, KV heads and expert widths
+split 4 ways: prefill, then 10 decode steps with buffer_len 4 (natural flushes) plus one forced
+flush, in replay and conventional mode: sharded logits == unsharded logits (float32, up to the
+psum's summation order), greedy tokens identical, and every cache array (checkpoints, rings, conv
+states, KV caches, cursor, positions) equal after unsharding.
 """
 import pathlib
 import subprocess
@@ -27,11 +29,31 @@ def _check():
   import jax.numpy as jnp
   from jax.sharding import Mesh
 
-  from replayssm_jax.models import LMConfig, make_model, shard_model
+  from replayssm_jax.models import LMConfig
+  from replayssm_jax.models.attention import AttentionConfig
+  from replayssm_jax.models.moe import MoEConfig
 
   assert jax.device_count() == 4, jax.devices()
-  config = LMConfig.tiny_hybrid(num_layers=2, num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8,
-                                mamba2_num_heads=8, mamba2_num_groups=4, max_prompt_len=16)
+  heads = dict(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8, mamba2_num_heads=8,
+               mamba2_num_groups=4, max_prompt_len=16)
+  _check_model(LMConfig.tiny_hybrid(num_layers=2, **heads))
+  attention = AttentionConfig(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=4, qk_norm=True,
+                              norm_offset=1.0, output_gate=True)
+  moe = MoEConfig(hidden_size=64, num_experts=8, top_k=2, expert_intermediate_size=16,
+                  shared_intermediate_size=16, shared_expert_gate=True)
+  _check_model(LMConfig.tiny_mamba2(num_layers=4, layer_types=("gdn", "attention", "mamba2", "moe"),
+                                    mlp_types=("moe", "dense", "dense", "dense"), attention=attention,
+                                    moe=moe, **heads))
+  print("sharding checks passed")
+
+
+def _check_model(config):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh
+
+  from replayssm_jax.models import make_model, shard_model
+
   model = make_model(config, seed=0)
   sharded = shard_model(model, Mesh(np.array(jax.devices()), ("tp",)), axis="tp")
   tokens = jnp.asarray(np.random.RandomState(0).randint(1, 256, (3, 16)), jnp.int32)
@@ -41,8 +63,8 @@ def _check():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, rtol=0, err_msg=what)
 
   for replay in (True, False):
-    ref_cache = model.init_cache(6, buffer_len=4)
-    sh_cache = sharded.init_cache(6, buffer_len=4)
+    ref_cache = model.init_cache(6, buffer_len=4, max_len=32)
+    sh_cache = sharded.init_cache(6, buffer_len=4, max_len=32)
     ref_logits, ref_cache = model.prefill(tokens, ref_cache, slots, lengths)
     sh_logits, sh_cache = sharded.prefill(tokens, sh_cache, slots, lengths)
     close(sh_logits, ref_logits, "prefill logits")
@@ -64,7 +86,6 @@ def _check():
       close(b, a, f"cache {jax.tree_util.keystr(path)}, replay={replay}")
     if replay:
       assert int(ref_cache.cursor.count[4]) != int(ref_cache.cursor.count[2])  # phases really differ
-  print("sharding checks passed")
 
 
 def test_sharded_equals_unsharded_on_4_devices():

@@ -41,6 +41,7 @@ from replayssm_jax.models.attention import Attention, AttentionConfig, Attention
 from replayssm_jax.models import _conv
 from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, GdnLayerCache
 from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config, Mamba2LayerCache
+from replayssm_jax.models.moe import MoE, MoEConfig
 from replayssm_jax.pallas import common as pallas_common
 
 f32 = jnp.float32
@@ -76,6 +77,8 @@ class LMConfig:
     norm_offset: the block and final RMSNorms scale by ``norm_offset + w`` (1.0 for the
       zero-centred norms of Qwen3-Next / Qwen3.5 checkpoints; 0.0 = plain ``w``).
     attention: the AttentionConfig of every "attention" layer (required when there is one).
+    moe: the MoEConfig of every mixture-of-experts MLP (required when there is one; its
+      hidden_size and dtype must be the model's).
     mlp_types: with ``mixer_mlp``, "dense" or "moe" per layer (None = all "dense"); entries of
       layers without a mixer are ignored.
   """
@@ -100,6 +103,7 @@ class LMConfig:
   mlp_act: str = "swiglu"
   norm_offset: float = 0.0
   attention: AttentionConfig | None = None
+  moe: MoEConfig | None = None
   mlp_types: tuple | None = None
 
   def __post_init__(self):
@@ -135,6 +139,16 @@ class LMConfig:
       raise ValueError(f"mlp_types={self.mlp_types!r}; expected None or {self.num_layers} entries, "
                        f"each one of {MLP_TYPES}")
     object.__setattr__(self, "mlp_types", tuple(mlps))
+    uses_moe = any(self.block_mlp(i) == "moe" for i in range(self.num_layers))
+    if uses_moe and not isinstance(self.moe, MoEConfig):
+      raise ValueError(f"the model has mixture-of-experts MLPs (layer_types / mlp_types) but "
+                       f"moe={self.moe!r}; expected a MoEConfig")
+    if self.moe is not None:
+      if not isinstance(self.moe, MoEConfig):
+        raise ValueError(f"moe={self.moe!r}; expected None or a MoEConfig")
+      if self.moe.hidden_size != self.hidden_size or self.moe.dtype != self.dtype:
+        raise ValueError(f"moe has hidden_size={self.moe.hidden_size}, dtype={self.moe.dtype}; "
+                         f"expected the model's hidden_size={self.hidden_size}, dtype={self.dtype}")
 
   @classmethod
   def tiny(cls, **overrides) -> "LMConfig":
@@ -162,6 +176,8 @@ class LMConfig:
     """JSON-ready fields (``from_dict`` inverts it)."""
     d = dataclasses.asdict(self)
     d["dtype"] = jnp.dtype(self.dtype).name
+    if self.moe is not None:
+      d["moe"]["dtype"] = jnp.dtype(self.moe.dtype).name
     return d
 
   @classmethod
@@ -174,6 +190,8 @@ class LMConfig:
         d[name] = tuple(d[name])
     if d.get("attention") is not None:
       d["attention"] = AttentionConfig(**d["attention"])
+    if d.get("moe") is not None:
+      d["moe"] = MoEConfig(**(d["moe"] | {"dtype": jnp.dtype(d["moe"]["dtype"])}))
     return cls(**d)
 
   def block_mlp(self, i: int) -> str | None:
@@ -297,9 +315,11 @@ class Block(nnx.Module):
                                rms_eps=c.rms_eps, rngs=rngs)
       else:
         self.mixer = GatedDeltaNet(c.mixer(), rngs=rngs)
-    if self.has_mlp:
-      self.mlp_norm = norm()
+    if mlp_type == "moe":
+      self.mlp_norm, self.mlp = norm(), MoE(c.moe, rngs=rngs)
+    elif mlp_type == "dense":
       mlp = SwiGLU if c.mlp_act == "swiglu" else ReluSquaredMLP
+      self.mlp_norm = norm()
       self.mlp = mlp(c.hidden_size, c.intermediate_size, dtype=c.dtype, rngs=rngs)
 
 

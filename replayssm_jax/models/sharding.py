@@ -10,6 +10,9 @@ Mamba2 kernels see local heads only. Per mixer:
   vectors (``A_log``, ``dt_bias``, ``D``, Mamba2 ``norm_weight``) split by head;
 * attention: ``q_proj`` (per head [q | gate]), ``k_proj``, ``v_proj`` columns split by head
   (query heads and key/value heads alike), ``o_proj`` rows split by head; q/k norms replicated;
+* mixture of experts: every expert's (and the shared expert's) intermediate dimension is split
+  (``gate_up`` columns regrouped device-major as [gate | up], ``down`` rows), router, correction
+  bias, shared gate and latent projections replicated; the partial outputs summed with ``psum``;
 * row-parallel: ``out_proj`` / ``o_proj`` rows split by head, the partial outputs summed with
   ``psum``;
 * replicated: embedding, norms, dense MLPs, head, the GDN gated-norm weight, the cursor and the
@@ -73,10 +76,16 @@ class ShardedLM:
       checks += [("attention.num_kv_heads", a.num_kv_heads)]
       local["attention"] = dataclasses.replace(a, num_heads=a.num_heads // tp,
                                                num_kv_heads=a.num_kv_heads // tp)
+    if c.moe is not None and any(c.block_mlp(i) == "moe" for i in range(c.num_layers)):
+      m = c.moe
+      checks += [("moe.expert_intermediate_size", m.expert_intermediate_size),
+                 ("moe.shared_intermediate_size", m.shared_intermediate_size)]
+      local["moe"] = dataclasses.replace(m, expert_intermediate_size=m.expert_intermediate_size // tp,
+                                         shared_intermediate_size=m.shared_intermediate_size // tp)
     for name, value in checks:
       if value % tp:
         raise ValueError(f"{name}={value} is not a multiple of the mesh axis {axis!r} size {tp}; "
-                         f"heads (and Mamba2 groups) must split evenly over the devices")
+                         f"heads (and Mamba2 groups, expert widths) must split evenly over the devices")
     self.model, self.mesh, self.axis, self.tp = model, mesh, axis, tp
     self.local_config = dataclasses.replace(c, **local)
     local_model = nnx.eval_shape(lambda: LM(self.local_config, rngs=nnx.Rngs(0)))
@@ -110,11 +119,13 @@ class ShardedLM:
   def _param(self, path, x):
     """(global value, PartitionSpec) of one parameter of the unsharded model."""
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]  # drops the trailing .value
+    a = self.axis
+    if "mlp" in keys and self.model.blocks[keys[keys.index("blocks") + 1]].mlp_type == "moe":
+      return self._moe_param(keys[-1], x)
     if "mixer" not in keys:
       return x, P()
     kind = self.model.blocks[keys[keys.index("blocks") + 1]].layer_type
     name = "/".join(str(k) for k in keys[keys.index("mixer") + 1:])
-    a = self.axis
     if kind == "attention":
       # Head-major columns (q_proj: [q_h | gate_h] per head), so a contiguous split is by head.
       if name in ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel"):
@@ -131,6 +142,19 @@ class ShardedLM:
     if name == "norm_weight" and kind == "gdn":
       return x, P()                                  # [V], shared by every value head
     return x, P(a)                                   # A_log, dt_bias, D, Mamba2 norm_weight
+
+  def _moe_param(self, name, x):
+    """Experts split along their intermediate dimension; routing and latent maps replicated."""
+    a, m = self.axis, self.model.config.moe
+    if name == "gate_up":
+      i = m.expert_intermediate_size
+      return _regroup(x, 2, [i, i], self.tp, to_device_major=True), P(None, None, a)
+    if name == "shared_gate_up":
+      sz = m.shared_intermediate_size
+      return _regroup(x, 1, [sz, sz], self.tp, to_device_major=True), P(None, a)
+    specs = {"up": P(None, None, a), "down": P(None, a, None), "shared_up": P(None, a),
+             "shared_down": P(a, None)}
+    return x, specs.get(name, P())   # router, correction_bias, shared_expert_gate, latent_in/out
 
   def _cache_specs(self, cache):
     a = self.axis
