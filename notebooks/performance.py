@@ -88,45 +88,39 @@ print(f"{len(rows)} timed rows from {len(files)} file(s)")
 # %% [markdown]
 # ## Which runs each plot shows
 #
-# The results directory keeps every run, including launch-config sweeps and kernels that were
-# replaced since. Each plot shows the runs listed here for it (result-file stems, each with the
-# reason); `ALL_RUNS = True` plots every stored run instead (one line per run: crowded). A run
-# re-timed on a GPU below is added to the batch plots.
+# The results directory holds the runs that `bench/RESULTS.md` cites, launch-config sweeps
+# included. Each plot shows the runs listed here for it (result-file stems, each with the reason);
+# `ALL_RUNS = True` plots every stored run instead (one line per run: crowded). A run re-timed on a
+# GPU below is added to the batch plots.
 
 # %%
 ALL_RUNS = False
 CURRENT = {
-    "batch": {   # speed-up and effective bandwidth vs batch (layers unrolled: session 10 on)
-        "gdn_decode_2026-11-30_s10_matrix": "GDN decode B = 1-512, L = 16, f32 and bf16: output-only and the fold-and-step kernel",
-        "mamba2_decode_2026-11-30_s10_matrix": "Mamba2 decode B = 1/32/256, L = 8, f32 and bf16: output-only, Mosaic reconstruct, fold-and-step",
-        "gdn_decode_2026-11-30_s11_small_defaults": "GDN decode B = 1/8/32, L = 16: the small-batch defaults run as defaults",
-        "mamba2_decode_2026-11-30_s11_small_defaults": "Mamba2 decode B = 1/8/32, L = 8: the small-batch defaults run as defaults",
-        "model_decode_2026-11-29_s4_policy": "model step (8 GDN layers + MLP), small-batch policy on and off",
+    "batch": {   # speed-up and effective bandwidth vs batch
+        "gdn_decode_2026-11-30_batches": "GDN decode B = 1-512, L = 16, f32 and bf16: output-only and the fold-and-step kernel",
+        "mamba2_decode_2026-11-30_batches": "Mamba2 decode B = 1/32/256, L = 8, f32 and bf16: output-only, Mosaic reconstruct, fold-and-step",
+        "gdn_decode_2026-11-30_small_batch_defaults": "GDN decode B = 1/8/32, L = 16: the small-batch defaults",
+        "mamba2_decode_2026-11-30_small_batch_defaults": "Mamba2 decode B = 1/8/32, L = 8: the small-batch defaults",
+        "model_decode_2026-11-29_gdn": "model step (8 GDN layers + MLP) B = 1-256, small-batch policy on and off",
     },
-    "L": {       # L sweeps: session 10 (layers unrolled) and sessions 1-3 (layer loop, older kernels)
-        "gdn_decode_2026-11-30_s10_L8_L32": "GDN decode, L = 8/32 at B = 256, layers unrolled (L = 16: the batch matrix)",
-        "gdn_decode_2026-11-30_s10_matrix": "GDN decode, L = 16, B = 1-512, layers unrolled",
-        "gdn_decode_2026-11-29_run7": "GDN decode, L = 8/16/32 at B = 256/512",
-        "gdn_decode_2026-11-29_s3_L32": "GDN decode, L = 16/32 at B = 256 after the R = 32 fold tile",
-        "mamba2_decode_2026-11-30_s11_L4_L16": "Mamba2 decode, L = 4/16 at B = 256, layers unrolled (L = 8: the batch matrix)",
-        "mamba2_decode_2026-11-29_run1": "Mamba2 decode, L = 4/8/16 at B = 256",
+    "L": {       # buffer-length sweeps
+        "gdn_decode_2026-11-30_buffer_lens": "GDN decode, L = 8/16/32 at B = 32/256",
+        "mamba2_decode_2026-11-30_fold_tiles": "Mamba2 decode, L = 8/16 at B = 256, 1/2/4 fold tiles per program",
+        "mamba2_decode_2026-11-30_L4_L16": "Mamba2 decode, L = 4/16 at B = 256",
     },
     "T": {       # speculative verify
-        "verify_gdn_2026-11-29_s5_routes": "GDN B = 256, every route; plain replay-pallas = output-only (the default before 164bf10)",
-        "verify_mamba2_2026-11-29_s5_matrix": "Mamba2, the default (reconstruct) route, B = 1-256 (its T = 8, B = 256 baseline is invalid: bench/NOTES.md 50)",
-        "verify_gdn_2026-11-29_s6_L8": "GDN B = 256 with L = 8 (the L = 2T rule), T = 2/4",
-        "verify_mamba2_2026-11-29_s6_L8": "Mamba2 B = 256 with L = 8, T = 2/4",
-        "verify_gdn_2026-11-30_s10_T4": "GDN B = 256, L = 8, T = 4: Mosaic (the default) and Triton, layers unrolled",
-        "verify_mamba2_2026-11-30_s10_T4": "Mamba2 B = 256, L = 8, T = 4: Mosaic (the default) and Triton, layers unrolled",
-        "verify_mamba2_2026-11-30_s10_T8": "Mamba2 B = 256, L = 8, T = 8, re-measured with an addressable baseline",
-        "verify_gdn_2026-11-30_s11_b1_b8": "GDN B = 1/8, L = 8, T = 2/4/8: Mosaic and Triton, layers unrolled",
-        "verify_mamba2_2026-11-30_s11_b1_b8": "Mamba2 B = 1/8, L = 8, T = 2/4/8: Mosaic and Triton, layers unrolled",
+        "verify_gdn_2026-11-30_T4": "GDN B = 256, L = 8, T = 4: Mosaic (the default) and Triton",
+        "verify_mamba2_2026-11-30_T4": "Mamba2 B = 256, L = 8, T = 4: Mosaic (the default) and Triton",
+        "verify_gdn_2026-11-30_T2_T8": "GDN B = 256, L = 8, T = 2/8: Mosaic",
+        "verify_mamba2_2026-11-30_T2_T8": "Mamba2 B = 256, L = 8, T = 2/8: Mosaic",
+        "verify_gdn_2026-11-30_B1_B8": "GDN B = 1/8, L = 8, T = 2/4/8: Mosaic and Triton",
+        "verify_mamba2_2026-11-30_B1_B8": "Mamba2 B = 1/8, L = 8, T = 2/4/8: Mosaic and Triton",
     },
 }
 
 
 def run_tag(src):
-  """'gdn_decode_2026-11-29_s4_small_batch' -> 'gdn_decode s4_small_batch' (legends)."""
+  """'gdn_decode_2026-11-30_small_batch_defaults' -> 'gdn_decode small_batch_defaults' (legends)."""
   m = re.match(r"(.*?)_\d{4}-\d{2}-\d{2}_?(.*)", src)
   return f"{m.group(1)} {m.group(2)}".strip() if m else src
 
