@@ -1,0 +1,452 @@
+"""Writes the tiny Hugging Face checkpoints under ``tests/data/hf/`` and transformers' outputs for them.
+
+Needs torch (CPU) and transformers 5.x, which the project's environment does not have; CI never runs
+this script, it only reads what it wrote. From the repository root::
+
+    python tests/data/make_hf_fixtures.py               # every fixture
+    python tests/data/make_hf_fixtures.py nemotron_h    # only the named ones
+
+For each fixture ``tests/data/hf/<name>/`` receives what ``save_pretrained`` writes (``config.json``,
+``generation_config.json``, ``model.safetensors``, float32, per-expert tensor names as on the Hub)
+and two files of references computed by transformers from that directory, loaded back with
+``from_pretrained``:
+
+``reference.npz`` (p = 0, 1 indexes the two prompts; V = vocab size)
+  ``prompt_p``          int32 [T_p]         the prompt (T_0 = 11, T_1 = 6)
+  ``prefill_logits_p``  float32 [T_p, V]    one forward over the prompt, no cache
+  ``greedy_p``          int32 [32]          ``generate(do_sample=False)`` with its cache: the new tokens
+  ``decode_logits_p``   float32 [32, V]     the logits ``generate`` took each of those tokens from
+  ``full_logits_p``     float32 [T_p+31, V] one forward over prompt + greedy_p[:31], no cache
+  ``recompute_p``       int32 [32]          argmax of a fresh no-cache forward over prompt + greedy_p[:t]
+  ``dt_below_min_p``    float32 []          (models with Mamba2 mixers) fraction of softplus(dt + dt_bias)
+                                            over the prompt's prefill, all mixers, below ``time_step_min``
+  Nemotron-H also has every array but ``prompt_p`` again with the suffix ``_unpatched`` (see below).
+``reference.json``: the seed, layer kinds and sizes, the checks below and their outcomes.
+
+transformers runs in float32 on one CPU thread with deterministic algorithms and its plain torch
+code paths (eager attention, eager experts; the script refuses to run where mamba_ssm,
+causal_conv1d, flash-linear-attention or kernels are importable). Running it twice writes
+byte-identical files.
+
+Every tensor in the state dict (norms, biases, A_log, dt_bias, D, conv, routers, correction biases,
+experts, the vision tower) is redrawn from a generator seeded by the fixture seed and the tensor's
+name, so nothing sits at its initial constant. Seeds are tried in order from a per-fixture base
+until the greedy top-1/top-2 logit gap and every router's selection gap (over all tokens of both
+prompts and their continuations) exceed ``MIN_LOGIT_GAP`` / ``MIN_ROUTER_GAP``, so an independent
+float32 implementation must pick the same tokens and experts.
+
+Mamba2 dt clamping. The reference semantics (``mamba_ssm``'s ``dt_limit``) clamp dt to
+``time_step_limit``, which is (0, inf) in released checkpoints; ``time_step_min`` only sets the
+initial dt_bias. transformers' ``NemotronHMamba2Mixer`` instead sets ``time_step_limit =
+(config.time_step_min, inf)`` and clamps with it in its chunked prefill scan, not in its one-token
+decode step. The references here are computed with each Nemotron-H mixer's ``time_step_limit``
+attribute set back to ``config.time_step_limit`` after loading (``_follow_dt_limit``); the
+``*_unpatched`` arrays are what transformers gives without that change. ``dt_bias`` is drawn so
+that part of the heads run with dt below ``time_step_min`` and the rest well above it, so the two
+semantics differ visibly. ``Mamba2Mixer`` already clamps with ``config.time_step_limit``.
+"""
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import pathlib
+import platform
+import shutil
+import sys
+import zlib
+
+import numpy as np
+import safetensors
+import torch
+import transformers
+from torch import nn
+from transformers import (Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM,
+                          Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                          Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                          Qwen3NextConfig, Qwen3NextForCausalLM)
+from transformers.models.nemotron_h import modeling_nemotron_h as nemotron_h_modeling
+
+OUT = pathlib.Path(__file__).resolve().parent / "hf"
+PROMPT_LENGTHS = (11, 6)
+NEW_TOKENS = 32
+MIN_LOGIT_GAP = 1e-3   # greedy: top-1 minus top-2 logit, every step
+MIN_ROUTER_GAP = 1e-4  # routers: last chosen minus first unchosen score (and group score)
+MAX_SEED_TRIES = 50
+ZERO_CENTRED_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")  # y = x̂ · (1 + w)
+PLAIN_NORMS = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated",
+               "NemotronHRMSNorm", "NemotronHRMSNormGated", "Mamba2RMSNorm", "MambaRMSNormGated")
+
+# ---- the fixtures --------------------------------------------------------------------------
+
+VOCAB, HIDDEN = 128, 64
+QWEN_TEXT = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+QWEN_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+# partial_rotary_factor 0.25 of head_dim 32: 8 rotated dims (4 frequencies), 24 passed through.
+QWEN35_ROPE = dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+                   mrope_interleaved=True)
+QWEN35_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=HIDDEN, num_position_embeddings=16)
+MAMBA = dict(ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, use_conv_bias=True)
+
+
+def qwen3_5():
+  config = Qwen3_5TextConfig(**QWEN_TEXT, num_hidden_layers=8, rope_parameters=dict(QWEN35_ROPE))
+  return Qwen3_5ForCausalLM, config
+
+
+def qwen3_5_vl():
+  """The ForConditionalGeneration wrapper with a vision tower; its text model is qwen3_5's first four layers."""
+  config = Qwen3_5Config(text_config=QWEN_TEXT | dict(num_hidden_layers=4, rope_parameters=dict(QWEN35_ROPE)),
+                         vision_config=QWEN35_VISION, image_token_id=124, video_token_id=125,
+                         vision_start_token_id=126, vision_end_token_id=127, tie_word_embeddings=False)
+  return Qwen3_5ForConditionalGeneration, config
+
+
+def qwen3_next():
+  config = Qwen3NextConfig(**QWEN_TEXT, **QWEN_MOE, num_hidden_layers=4, norm_topk_prob=True,
+                           decoder_sparse_step=1, mlp_only_layers=[1],
+                           rope_parameters=dict(rope_type="default", rope_theta=5e5, partial_rotary_factor=0.25))
+  return Qwen3NextForCausalLM, config
+
+
+def qwen3_5_moe():
+  text = {k: v for k, v in QWEN_TEXT.items() if k != "intermediate_size"}  # every layer is MoE
+  config = Qwen3_5MoeTextConfig(**text, **QWEN_MOE, num_hidden_layers=4,
+                                rope_parameters=dict(QWEN35_ROPE, rope_theta=2e5))
+  return Qwen3_5MoeForCausalLM, config
+
+
+def nemotron_h():
+  config = NemotronHConfig(
+      vocab_size=VOCAB, hidden_size=HIDDEN, hybrid_override_pattern="M*ME-M", num_attention_heads=4,
+      num_key_value_heads=2, head_dim=32, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16,
+      expand=2, **MAMBA, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+      moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+      norm_topk_prob=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  return NemotronHForCausalLM, config
+
+
+def mamba2():
+  config = Mamba2Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_heads=8, head_dim=16, expand=2,
+                        state_size=MAMBA["ssm_state_size"], n_groups=MAMBA["n_groups"],
+                        conv_kernel=MAMBA["conv_kernel"], chunk_size=MAMBA["chunk_size"], num_hidden_layers=3,
+                        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  return Mamba2ForCausalLM, config
+
+
+FIXTURES = dict(qwen3_5=qwen3_5, qwen3_5_vl=qwen3_5_vl, qwen3_next=qwen3_next, qwen3_5_moe=qwen3_5_moe,
+                nemotron_h=nemotron_h, mamba2=mamba2)
+SHARED_SEED = dict(qwen3_5_vl="qwen3_5")  # same seed: equal tensor names get equal values
+
+
+def prompts():
+  rng = np.random.RandomState(20261201)
+  return [rng.randint(3, 120, size=n).astype(np.int32) for n in PROMPT_LENGTHS]  # 120.. are special ids
+
+
+# ---- weights -------------------------------------------------------------------------------
+
+def _canonical(name):
+  return name.replace("model.language_model.", "model.")
+
+
+def _draw(model, seed):
+  """Redraws every state-dict tensor of ``model`` in place from (seed, tensor name)."""
+  params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+  seen = set()
+  for name in model.state_dict():
+    tensor = params[name]
+    if tensor.data_ptr() in seen:  # tied to a tensor already drawn
+      continue
+    seen.add(tensor.data_ptr())
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(_canonical(name).encode()))
+    with torch.no_grad():
+      tensor.copy_(_value(model, module, module_name, leaf, tuple(tensor.shape), gen))
+
+
+def _value(model, module, module_name, leaf, shape, gen):
+  normal = lambda std, mean=0.0: mean + std * torch.randn(shape, generator=gen)
+  uniform = lambda lo, hi: lo + (hi - lo) * torch.rand(shape, generator=gen)
+  kind = type(module).__name__
+  if kind in ZERO_CENTRED_NORMS:
+    return normal(0.25)
+  if kind in PLAIN_NORMS or isinstance(module, nn.LayerNorm):
+    return uniform(0.5, 1.5) if leaf == "weight" else normal(0.1)
+  if isinstance(module, nn.Embedding):
+    return normal(1.0)
+  if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv3d)):
+    if leaf == "bias":
+      return normal(0.2)
+    fan_in = math.prod(shape[1:])
+    scale = 2.0 if module_name.endswith("lm_head") else 1.0  # logits with a spread of a few units
+    return normal(scale / math.sqrt(fan_in))
+  if kind.endswith("GatedDeltaNet"):
+    if leaf == "A_log":  # decay exp(-A · softplus(a + dt_bias)) between ~0.5 and ~0.97
+      return torch.log(uniform(0.1, 2.0))
+    if leaf == "dt_bias":
+      return normal(0.5, -1.0)
+  if kind in ("Mamba2Mixer", "NemotronHMamba2Mixer"):
+    if leaf == "A_log":
+      return torch.log(uniform(1.0, 8.0))
+    if leaf == "D":
+      return normal(1.0)
+    if leaf == "dt_bias":
+      return _mamba_dt_bias(shape, gen)
+  if kind.endswith("Router"):  # Qwen3NextTopKRouter, Qwen3_5MoeTopKRouter, NemotronHTopkRouter
+    if leaf == "weight":
+      return normal(2.0 / math.sqrt(shape[1]))
+    if leaf == "e_score_correction_bias":
+      return normal(0.1)
+  if kind.endswith("Experts"):  # [E, out, in]
+    return normal(1.0 / math.sqrt(shape[2]))
+  raise NotImplementedError(f"no draw rule for {module_name}.{leaf} ({kind}, shape {shape}) in {type(model).__name__}")
+
+
+def _mamba_dt_bias(shape, gen):
+  """Heads 0, 3, 6, ... near -9 (softplus ≈ 1e-4, below time_step_min), the others in [-4.5, -1] (dt ≈ 0.01-0.3).
+
+  With the in_proj dt columns drawn at unit scale, about 3/8 of the prefill dt values of 8 heads
+  fall below 1e-3; ``dt_below_min_p`` records the measured fraction."""
+  low = torch.arange(shape[0]) % 3 == 0
+  return torch.where(low, -9.0 + 0.3 * torch.randn(shape, generator=gen), -4.5 + 3.5 * torch.rand(shape, generator=gen))
+
+
+# ---- running transformers ------------------------------------------------------------------
+
+def _load(cls, path):
+  model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")
+  model.eval()
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = None
+  return model
+
+
+def _follow_dt_limit(model):
+  """Sets each Nemotron-H mixer's dt clamp to ``config.time_step_limit`` (transformers uses (time_step_min, inf))."""
+  limit = tuple(float(x) for x in model.config.time_step_limit)
+  for module in model.modules():
+    if isinstance(module, nemotron_h_modeling.NemotronHMamba2Mixer):
+      module.time_step_limit = limit
+  return limit
+
+
+@torch.no_grad()
+def _run(model, prompt):
+  """Prefill logits, cached greedy tokens with their logits, full logits and the no-cache recompute."""
+  ids = torch.as_tensor(prompt, dtype=torch.long)[None]
+  prefill = model(input_ids=ids, use_cache=False).logits[0]
+  out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                       min_new_tokens=NEW_TOKENS, use_cache=True, output_logits=True, return_dict_in_generate=True)
+  greedy = out.sequences[0, ids.shape[1]:]
+  assert greedy.shape == (NEW_TOKENS,), greedy.shape
+  decode = torch.cat(out.logits)
+  seq = torch.cat([ids[0], greedy])
+  full = model(input_ids=seq[None, :-1], use_cache=False).logits[0]
+  recompute = [int(model(input_ids=seq[None, :len(prompt) + t], use_cache=False).logits[0, -1].argmax())
+               for t in range(NEW_TOKENS)]
+  return dict(prefill_logits=prefill.numpy(), greedy=greedy.numpy().astype(np.int32), decode_logits=decode.numpy(),
+              full_logits=full.numpy(), recompute=np.asarray(recompute, np.int32))
+
+
+def _logit_gap(logits):
+  top = np.sort(logits, axis=-1)[..., -2:]
+  return float((top[..., 1] - top[..., 0]).min())
+
+
+class _RouterGaps:
+  """Forward hooks: the smallest selection gap any router (and Nemotron-H group choice) saw."""
+
+  def __init__(self, model):
+    self.gap = math.inf
+    self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if type(m).__name__.endswith("Router")]
+
+  def _hook(self, module, inputs, outputs):
+    logits = outputs[0].float()
+    k = module.top_k
+    if hasattr(module, "e_score_correction_bias"):  # sigmoid scores + bias, grouped
+      choice = logits.sigmoid() + module.e_score_correction_bias
+      groups = choice.view(-1, module.num_group, module.num_experts // module.num_group)
+      if module.num_group > module.topk_group:
+        group_score = torch.sort(groups.topk(2, dim=-1)[0].sum(-1), dim=-1, descending=True)[0]
+        self._add(group_score[:, module.topk_group - 1] - group_score[:, module.topk_group])
+      chosen_groups = groups.topk(2, dim=-1)[0].sum(-1).topk(module.topk_group, dim=-1)[1]
+      mask = torch.zeros_like(groups[..., 0]).scatter_(1, chosen_groups, 1.0).bool()
+      choice = groups.masked_fill(~mask[..., None], -math.inf).reshape(choice.shape)
+    else:  # softmax over all experts
+      choice = logits.softmax(-1)
+    top = torch.sort(choice, dim=-1, descending=True)[0]
+    self._add(top[:, k - 1] - top[:, k])
+
+  def _add(self, gaps):
+    self.gap = min(self.gap, float(gaps.min()))
+
+  def close(self):
+    for h in self.handles:
+      h.remove()
+
+
+class _DtBelowMin:
+  """Forward hooks on Mamba2 in_proj: fraction of softplus(dt + dt_bias) below time_step_min."""
+
+  def __init__(self, model):
+    self.below, self.total = 0, 0
+    self.handles = []
+    for module in model.modules():
+      if type(module).__name__ in ("Mamba2Mixer", "NemotronHMamba2Mixer"):
+        self.handles.append(module.in_proj.register_forward_hook(self._hook(module, model.config.time_step_min)))
+
+  def _hook(self, mixer, floor):
+    def hook(module, inputs, output):
+      dt = torch.nn.functional.softplus(output[..., -mixer.num_heads:] + mixer.dt_bias)
+      self.below += int((dt < floor).sum())
+      self.total += dt.numel()
+    return hook
+
+  def fraction(self):
+    return self.below / self.total
+
+  def close(self):
+    for h in self.handles:
+      h.remove()
+
+
+@torch.no_grad()
+def _references(model, prompt_list, *, suffix=""):
+  arrays, checks = {}, {}
+  for p, prompt in enumerate(prompt_list):
+    gaps, dt = _RouterGaps(model), _DtBelowMin(model)
+    model(input_ids=torch.as_tensor(prompt, dtype=torch.long)[None], use_cache=False)
+    dt.close()
+    result = _run(model, prompt)
+    gaps.close()
+    for key, value in result.items():
+      arrays[f"{key}_{p}{suffix}"] = value
+    checks[f"prompt_{p}"] = dict(
+        length=len(prompt), cached_equals_recompute=bool((result["greedy"] == result["recompute"]).all()),
+        first_disagreement=int(np.argmax(result["greedy"] != result["recompute"]))
+        if (result["greedy"] != result["recompute"]).any() else None,
+        min_greedy_logit_gap=_logit_gap(result["decode_logits"]),
+        min_router_gap=None if math.isinf(gaps.gap) else gaps.gap)  # None: no routers
+    if dt.total:
+      arrays[f"dt_below_min_{p}{suffix}"] = np.float32(dt.fraction())
+      checks[f"prompt_{p}"]["dt_below_time_step_min"] = dt.fraction()
+  return arrays, checks
+
+
+def _margins_ok(checks):
+  return all(c["min_greedy_logit_gap"] >= MIN_LOGIT_GAP and (c["min_router_gap"] or math.inf) >= MIN_ROUTER_GAP
+             for c in checks.values())
+
+
+def _rel_l2(a, b):
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _summary(config):
+  text = config.get_text_config()
+  keys = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+          "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+          "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+          "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "n_group", "topk_group",
+          "routed_scaling_factor", "mamba_num_heads", "mamba_head_dim", "num_heads", "ssm_state_size", "state_size",
+          "n_groups", "chunk_size", "rope_parameters", "mlp_only_layers", "time_step_min", "time_step_limit",
+          "tie_word_embeddings")
+  out = {k: getattr(text, k) for k in keys if hasattr(text, k)}
+  out["layer_types"] = list(text.layer_types)
+  if "time_step_limit" in out:
+    out["time_step_limit"] = [str(x) if math.isinf(x) else x for x in out["time_step_limit"]]
+  return out
+
+
+def build(name, prompt_list):
+  make = FIXTURES[name]
+  cls, config = make()
+  path = OUT / name
+  shared = SHARED_SEED.get(name)
+  seeds = [json.loads((OUT / shared / "reference.json").read_text())["draw_seed"]] if shared else \
+      [_seed_of(name, attempt) for attempt in range(MAX_SEED_TRIES)]
+  for draw_seed in seeds:
+    torch.manual_seed(0)  # only the module constructors draw from it; every tensor is redrawn below
+    source = cls(config)
+    _draw(source, draw_seed)
+    if path.exists():
+      shutil.rmtree(path)
+    source.save_pretrained(path)
+    del source
+    model = _load(cls, path)
+    unpatched = None
+    if isinstance(model, NemotronHForCausalLM):
+      unpatched = _references(model, prompt_list, suffix="_unpatched")
+      limit = _follow_dt_limit(model)
+    arrays, checks = _references(model, prompt_list)
+    if _margins_ok(checks):
+      break
+    print(f"{name}: seed {draw_seed} has a near-tie ({checks}); trying the next one", flush=True)
+  else:
+    raise RuntimeError(f"{name}: none of the seeds {seeds} met the margins")
+  record = dict(architecture=type(model).__name__, model_type=config.model_type, draw_seed=draw_seed,
+                config=_summary(config), checks=checks, prompts=[p.tolist() for p in prompt_list],
+                attn_implementation="eager", experts_implementation="eager")
+  if unpatched is not None:
+    arrays |= unpatched[0]
+    record["dt_limit"] = dict(
+        reference=f"mixer.time_step_limit = config.time_step_limit = {limit}",
+        transformers_default=f"mixer.time_step_limit = (config.time_step_min, inf) = ({config.time_step_min}, inf)",
+        checks_unpatched=unpatched[1],
+        prefill_rel_l2_unpatched_vs_reference=[
+            _rel_l2(arrays[f"prefill_logits_{p}_unpatched"], arrays[f"prefill_logits_{p}"]) for p in range(2)],
+        greedy_equal_unpatched_vs_reference=[
+            bool((arrays[f"greedy_{p}_unpatched"] == arrays[f"greedy_{p}"]).all()) for p in range(2)])
+  if isinstance(model, Mamba2ForCausalLM):
+    limits = {tuple(m.time_step_limit) for m in model.modules() if type(m).__name__ == "Mamba2Mixer"}
+    record["dt_limit"] = dict(mixer_time_step_limit=[[str(x) for x in l] for l in limits])
+  for p, prompt in enumerate(prompt_list):
+    arrays[f"prompt_{p}"] = prompt
+  np.savez(path / "reference.npz", **dict(sorted(arrays.items())))
+  (path / "reference.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+  return record
+
+
+def _seed_of(name, attempt):
+  return zlib.crc32(name.encode()) % 10_000 * 100 + attempt
+
+
+def _check_torch_path():
+  """The references must come from transformers' torch code paths, not optional CUDA/Triton packages."""
+  present = [p for p in ("mamba_ssm", "causal_conv1d", "fla", "kernels") if importlib.util.find_spec(p)]
+  if present or torch.cuda.is_available():
+    raise RuntimeError(f"run this on a CPU-only environment without {present or 'CUDA'}: "
+                       f"the fixtures record transformers' torch reference path")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("names", nargs="*", help=f"fixtures to write, of {', '.join(FIXTURES)} (default: all)")
+  args = parser.parse_args()
+  unknown = set(args.names) - set(FIXTURES)
+  if unknown:
+    parser.error(f"unknown fixtures {sorted(unknown)}; known: {', '.join(FIXTURES)}")
+  _check_torch_path()
+  torch.set_default_dtype(torch.float32)
+  torch.set_num_threads(1)
+  torch.use_deterministic_algorithms(True)
+  transformers.utils.logging.set_verbosity_error()
+  transformers.utils.logging.disable_progress_bar()
+  prompt_list = prompts()
+  for name in args.names or FIXTURES:
+    record = build(name, prompt_list)
+    print(f"{name}: seed {record['draw_seed']}, checks {json.dumps(record['checks'])}", flush=True)
+  versions = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+                  numpy=np.__version__, safetensors=safetensors.__version__, date=datetime.date.today().isoformat(),
+                  command=" ".join(["python tests/data/make_hf_fixtures.py", *sys.argv[1:]]))
+  (OUT / "VERSIONS.json").write_text(json.dumps(versions, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+  main()
