@@ -1,18 +1,27 @@
 """Weights from a local Hugging Face directory (``config.json`` + ``*.safetensors``).
 
 ``model, config = load_pretrained(path)`` builds an ``LM`` with the checkpoint's shape and loads
-its tensors. Nothing is downloaded: ``path`` is a directory on disk. Three layouts are read:
+its tensors. Nothing is downloaded: ``path`` is a directory on disk. The layers are defined as
+transformers 5.x defines them (the parity tests compare against its outputs, ``tests/data/hf``);
+config.json files as transformers 5.x writes them (``layers_block_type``, rope parameters in
+``rope_parameters``, infinity as ``{"__float__": "Infinity"}``) and as older Hub files are
+(``hybrid_override_pattern``, top-level ``rope_theta``, bare ``Infinity``) both load.
 
-**Qwen3-Next / Qwen3.5** (``model_type`` ``qwen3_next``, ``qwen3_5``, ``qwen3_5_text``; a nested
-``text_config`` is used when present). Tensor prefix ``model.`` (or ``model.language_model.``);
-``layers.{i}`` below means ``{prefix}layers.{i}``. Every layer must be ``linear_attention``.
+**Qwen3-Next / Qwen3.5 / Qwen3.5-MoE** (``model_type`` ``qwen3_next``, ``qwen3_5``,
+``qwen3_5_text``, ``qwen3_5_moe``, ``qwen3_5_moe_text``; a nested ``text_config`` is used when
+present). Tensor prefix ``model.`` (or ``model.language_model.`` for the multimodal wrapper,
+whose vision tower ``model.visual.*`` is skipped with a warning); ``layers.{i}`` below means
+``{prefix}layers.{i}``. ``layer_types`` (or ``full_attention_interval``) picks GatedDeltaNet
+(``linear_attention``) or attention (``full_attention``) per layer; the MLP is MoE where
+transformers puts one (Qwen3-Next: ``num_experts > 0``, outside ``mlp_only_layers`` and every
+``decoder_sparse_step``-th layer; Qwen3.5-MoE: every layer), dense SwiGLU elsewhere.
 
 ====================================================  ===========================================
 HF tensor [shape]                                      LM parameter
 ====================================================  ===========================================
 ``embed_tokens.weight`` [V, D]                          ``embed.embedding``
 ``layers.{i}.input_layernorm.weight`` [D]               ``blocks[i].mixer_norm.weight`` (zero-centred: ``norm_offset=1``)
-``layers.{i}.post_attention_layernorm.weight`` [D]      ``blocks[i].mlp_norm.weight``
+``layers.{i}.post_attention_layernorm.weight`` [D]      ``blocks[i].mlp_norm.weight`` (zero-centred)
 ``layers.{i}.linear_attn.in_proj_qkvz.weight``          ``blocks[i].mixer.in_proj.kernel`` columns q|k|v|z:
   [2·Hk·K + 2·Hv·V, D], grouped per key head             rows regrouped from [Hk, (K, K, r·V, r·V)] (r = Hv/Hk)
 ``layers.{i}.linear_attn.in_proj_ba.weight`` [2·Hv, D]  columns b|a, regrouped from [Hk, (r, r)]
@@ -22,39 +31,59 @@ HF tensor [shape]                                      LM parameter
 ``layers.{i}.linear_attn.A_log``, ``dt_bias`` [Hv]      ``blocks[i].mixer.A_log``, ``dt_bias`` (float32)
 ``layers.{i}.linear_attn.norm.weight`` [V]              ``blocks[i].mixer.norm_weight`` (gated RMSNorm, plain weight)
 ``layers.{i}.linear_attn.out_proj.weight`` [D, Hv·V]    ``blocks[i].mixer.out_proj.kernel`` (transposed)
+``layers.{i}.self_attn.q_proj.weight`` [Hq·2hd, D]       ``blocks[i].mixer.q_proj.kernel`` (per head [q | gate])
+``layers.{i}.self_attn.{k,v}_proj.weight`` [Hkv·hd, D]   ``blocks[i].mixer.{k,v}_proj.kernel``
+``layers.{i}.self_attn.o_proj.weight`` [D, Hq·hd]        ``blocks[i].mixer.o_proj.kernel`` (biases if ``attention_bias``)
+``layers.{i}.self_attn.{q,k}_norm.weight`` [hd]          ``blocks[i].mixer.{q,k}_norm`` (zero-centred)
 ``layers.{i}.mlp.{gate,up}_proj.weight`` [I, D]         ``blocks[i].mlp.gate_up.kernel`` [D, 2·I] (both transposed, gate | up)
 ``layers.{i}.mlp.down_proj.weight`` [D, I]              ``blocks[i].mlp.down.kernel`` (transposed; SwiGLU)
+``layers.{i}.mlp.gate.weight``, ``experts.*``, ...       ``blocks[i].mlp.*`` (MoE: ``models.moe.hf_moe_params``)
 ``norm.weight`` [D]                                     ``final_norm.weight`` (zero-centred)
 ``lm_head.weight`` [V, D]                               ``head.kernel`` (transposed; the embedding if tied and absent)
 ====================================================  ===========================================
 
+Attention: rotary embedding of the first ``int(head_dim · partial_rotary_factor)`` channels
+(``rope_type`` "default"; Qwen3.5's multimodal rope reduces to it for text positions), q/k
+RMSNorm, output gate ``o_proj(o · sigmoid(gate))``.
+
 **Mamba2** (``model_type`` ``mamba2``) and **Nemotron-H** (``nemotron_h``; layer kinds from
-``hybrid_override_pattern``: ``M`` Mamba2, ``-`` MLP). Prefix ``backbone.``:
+``layers_block_type`` — ``linear_attention``/``mamba``, ``full_attention``/``attention``,
+``mlp``, ``moe`` — or from ``hybrid_override_pattern``: ``M``, ``*``, ``-``, ``E``). Prefix
+``backbone.``; every block is ``h + mixer(norm(h))``:
 
 ====================================================  ===========================================
-``embeddings.weight`` [V, D]                            ``embed.embedding``
-``layers.{i}.norm.weight`` [D]                          ``blocks[i].mixer_norm.weight`` (``M``) / ``mlp_norm.weight`` (``-``)
+``embeddings.weight`` [V, D]                            ``embed.embedding`` (``embedding.weight`` in old files)
+``layers.{i}.norm.weight`` [D]                          ``blocks[i].mixer_norm.weight`` (``M``, ``*``) / ``mlp_norm.weight`` (``-``, ``E``)
 ``layers.{i}.mixer.in_proj.weight`` [I + C + H, D]      ``blocks[i].mixer.in_proj.kernel`` (z | x | B | C | dt, transposed)
 ``layers.{i}.mixer.conv1d.weight`` [C, 1, W], ``.bias``  ``conv_weight`` [W, C], ``conv_bias`` [C] (zeros if ``use_conv_bias`` is false)
 ``layers.{i}.mixer.A_log``, ``D``, ``dt_bias`` [H]       ``A_log``, ``D``, ``dt_bias`` (float32)
 ``layers.{i}.mixer.norm.weight`` [I]                    ``norm_weight`` (grouped gated RMSNorm)
 ``layers.{i}.mixer.out_proj.weight`` [D, I]             ``out_proj.kernel`` (transposed)
+``layers.{i}.mixer.{q,k,v,o}_proj.weight`` (``*``)       ``blocks[i].mixer.{q,k,v,o}_proj.kernel`` (no RoPE, no biases)
 ``layers.{i}.mixer.{up,down}_proj.weight`` (``-``)       ``blocks[i].mlp.{up,down}.kernel`` (relu², transposed)
+``layers.{i}.mixer.gate.*``, ``experts.*``, ... (``E``)  ``blocks[i].mlp.*`` (MoE: ``models.moe.hf_moe_params``)
 ``norm_f.weight`` [D]                                   ``final_norm.weight``
 ``lm_head.weight`` [V, D]                               ``head.kernel`` (transposed; the embedding if tied and absent)
 ====================================================  ===========================================
 
 Here I = H·P, C = I + 2·G·N (Mamba2) or 2·Hk·K + Hv·V (GDN). Ignored tensors: ``mtp.*``
-(Qwen multi-token-prediction head) and ``visual.*`` / ``model.visual.*`` (vision tower).
+(multi-token-prediction heads) and the vision tower (``visual.*``, ``model.visual.*``).
+
+Mamba2 step size: Δ = softplus(dt + dt_bias) clipped to ``time_step_limit`` ((0, ∞) in released
+checkpoints, so nothing is clipped), as NVIDIA's reference implementation does, in prefill and
+decode alike. transformers' Nemotron-H instead clamps Δ at ``time_step_min`` (an initialisation
+parameter) in its chunked prefill and not in its decode step; see the README.
 
 Errors: a tensor the mapping does not know, a missing tensor, or a wrong shape raise
-``ValueError`` naming the tensor, its shape and the expected one. Valid checkpoints with parts
-this library does not implement — softmax-attention layers (``full_attention``, ``*``), MoE
-layers (``E``, ``num_experts > 0``), projection biases, dt clamping — raise
-``NotImplementedError``. Decode mode (replay or conventional) is not a property of the weights:
-choose it when generating (``generate(..., replay=...)``, ``serving.EngineConfig(replay=...)``).
+``ValueError`` naming the tensor, its shape and the expected one; a malformed config.json raises
+``ValueError`` naming the key. Valid checkpoints with parts this library does not implement
+(other layer kinds, activations, rope types, in_proj/out_proj biases) raise
+``NotImplementedError`` naming the layer and the feature. Decode mode (replay or conventional) is
+not a property of the weights: choose it when generating (``generate(..., replay=...)``,
+``serving.EngineConfig(replay=...)``).
 """
 import json
+import logging
 import math
 import pathlib
 
@@ -63,11 +92,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from replayssm_jax.models.attention import AttentionConfig
 from replayssm_jax.models.lm import LM, LMConfig
+from replayssm_jax.models.moe import hf_moe_params, moe_config_from_hf
 
-QWEN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text")
-IGNORED_PREFIXES = ("mtp.", "visual.", "model.visual.")
+logger = logging.getLogger(__name__)
+
+QWEN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+QWEN_MOE_EVERY_LAYER = ("qwen3_5_moe", "qwen3_5_moe_text")
+VISION_PREFIXES = ("visual.", "model.visual.")
+IGNORED_PREFIXES = ("mtp.",) + VISION_PREFIXES
 _NOT_USED = dict(num_k_heads=1, num_v_heads=1, head_k_dim=1, head_v_dim=1)  # no GDN layers
+QWEN_LAYERS = {"linear_attention": "gdn", "full_attention": "attention"}
+# Nemotron-H layer kinds: transformers 5.x names (and their legacy aliases), and the pattern letters.
+NEMOTRON_LAYERS = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "attention",
+                   "attention": "attention", "mlp": "mlp", "moe": "moe"}
+NEMOTRON_PATTERN = {"M": "mamba2", "*": "attention", "-": "mlp", "E": "moe"}
+# Older Nemotron-H config.json names of the Mamba2 keys.
+NEMOTRON_LEGACY_KEYS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
+                        "mamba_dt_limit": "time_step_limit", "mamba_conv_bias": "use_conv_bias",
+                        "mamba_proj_bias": "use_bias"}
 
 
 def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128):
@@ -76,7 +120,7 @@ def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128):
   Args:
     path: directory with ``config.json`` and one or more ``*.safetensors`` files.
     dtype: parameter / activation dtype of the model (float32, bfloat16 or float16); tensors are
-      cast to it (A_log, dt_bias and D stay float32).
+      cast to it (A_log, dt_bias, D and MoE routers stay float32).
     max_prompt_len: longest prompt ``generate`` and the serving engine accept.
 
   Returns:
@@ -86,7 +130,7 @@ def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128):
   if not (path / "config.json").is_file():
     raise ValueError(f"path={str(path)!r} has no config.json; expected a local Hugging Face model "
                      f"directory (config.json + *.safetensors)")
-  hf = json.loads((path / "config.json").read_text())
+  hf = read_config(path / "config.json")
   family, config = _plan(hf, dtype=dtype, max_prompt_len=max_prompt_len)
   values = _convert(hf, family, config, _read_tensors(path))
   model = nnx.eval_shape(lambda: LM(config, rngs=nnx.Rngs(0)))
@@ -101,6 +145,24 @@ def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128):
 
 # ---- reading -------------------------------------------------------------------------------
 
+def _special_float(obj: dict):
+  """transformers 5.x writes inf / -inf / nan as ``{"__float__": "Infinity"}`` etc."""
+  if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+    return float(obj["__float__"].replace("Infinity", "inf"))
+  return obj
+
+
+def read_config(file: pathlib.Path) -> dict:
+  """config.json as a dict, special floats decoded (tagged, or the bare ``Infinity`` of older files)."""
+  try:
+    hf = json.loads(pathlib.Path(file).read_text(), object_hook=_special_float)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{file} is not valid JSON ({e})") from None
+  if not isinstance(hf, dict):
+    raise ValueError(f"{file} holds a {type(hf).__name__}; expected a JSON object")
+  return hf
+
+
 def _read_tensors(path: pathlib.Path) -> dict:
   from safetensors.numpy import load_file
   files = sorted(path.glob("*.safetensors"))
@@ -112,15 +174,26 @@ def _read_tensors(path: pathlib.Path) -> dict:
       if name in tensors:
         raise ValueError(f"tensor {name!r} appears in more than one safetensors file ({f.name})")
       tensors[name] = array
+  vision = sum(n.startswith(VISION_PREFIXES) for n in tensors)
+  if vision:
+    logger.warning("load_pretrained(%s): skipped the vision tower (%d tensors under model.visual.*): "
+                   "replayssm_jax loads the language model only (text in, text out)", path, vision)
   return {n: a for n, a in tensors.items() if not n.startswith(IGNORED_PREFIXES)}
 
 
 def _get(hf: dict, key: str, default=None, *, required=True):
-  if key in hf:
+  if key in hf and hf[key] is not None:
     return hf[key]
   if required and default is None:
     raise ValueError(f"config.json has no {key!r}; expected it for model_type={hf.get('model_type')!r}")
   return default
+
+
+def _int(hf: dict, key: str, default=None) -> int:
+  value = _get(hf, key, default)
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"config.json {key}={value!r}; expected an int >= 1")
+  return value
 
 
 # ---- config --------------------------------------------------------------------------------
@@ -128,87 +201,159 @@ def _get(hf: dict, key: str, default=None, *, required=True):
 def _plan(hf: dict, *, dtype, max_prompt_len):
   """("qwen" | "mamba", LMConfig) from config.json."""
   model_type = hf.get("model_type")
-  if model_type in QWEN_TYPES or "linear_num_value_heads" in hf.get("text_config", hf):
-    return _plan_qwen(hf.get("text_config", hf) | {"model_type": model_type}, dtype, max_prompt_len)
+  text = hf.get("text_config", hf)
+  if model_type in QWEN_TYPES or (isinstance(text, dict) and "linear_num_value_heads" in text):
+    inner = text.get("model_type")
+    merged = text | {"model_type": model_type if model_type in QWEN_TYPES else inner}
+    if "tie_word_embeddings" in hf:  # the wrapper's own flag is the one transformers reads
+      merged["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return _plan_qwen(merged, dtype, max_prompt_len)
   if model_type in ("mamba2", "nemotron_h"):
     return _plan_mamba(hf, dtype, max_prompt_len)
   raise NotImplementedError(
       f"config.json model_type={model_type!r} is not supported; load_pretrained reads Qwen3-Next / "
-      f"Qwen3.5 ({', '.join(QWEN_TYPES)}), mamba2 and nemotron_h checkpoints")
+      f"Qwen3.5 / Qwen3.5-MoE ({', '.join(QWEN_TYPES)}), mamba2 and nemotron_h checkpoints")
+
+
+def _layer_kinds(names, table, what):
+  kinds = []
+  for i, name in enumerate(names):
+    if name not in table:
+      raise NotImplementedError(f"layer {i} is {name!r} ({what}); implemented layer kinds: "
+                                f"{sorted(table)}")
+    kinds.append(table[name])
+  return tuple(kinds)
+
+
+def _rope(hf: dict, head_dim: int):
+  """(rotary_dim, theta) from ``rope_parameters`` (5.x) or the top-level keys of older files."""
+  params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if not isinstance(params, dict):
+    raise ValueError(f"config.json rope_parameters={params!r}; expected an object")
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  if rope_type != "default":
+    raise NotImplementedError(f"attention with rope_type={rope_type!r}; only the default rotary "
+                              f"embedding is implemented")
+  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+  rotary = int(head_dim * factor)
+  return rotary - rotary % 2, float(theta)
 
 
 def _plan_qwen(hf, dtype, max_prompt_len):
-  n = _get(hf, "num_hidden_layers")
-  types = hf.get("layer_types")
-  if types is None:
-    interval = _get(hf, "full_attention_interval", 4)
-    types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-  for i, t in enumerate(types):
-    if t != "linear_attention":
-      raise NotImplementedError(
-          f"layer {i} is {t!r}: replayssm_jax implements the linear-attention (GatedDeltaNet) and "
-          f"Mamba2 mixers, not softmax attention, so hybrid checkpoints with attention layers "
-          f"cannot be loaded (layer_types={types})")
-  num_experts = hf.get("num_experts", 0) or 0
-  if num_experts > 0:
-    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers", []))
-    moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    if moe:
-      raise NotImplementedError(f"layers {moe} are mixture-of-experts MLPs (num_experts={num_experts}); "
-                                f"only dense SwiGLU MLPs are implemented")
+  model_type = hf["model_type"]
+  n = _int(hf, "num_hidden_layers")
+  names = hf.get("layer_types")
+  if names is None:
+    interval = _int(hf, "full_attention_interval", 4)
+    names = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+  if len(names) != n:
+    raise ValueError(f"config.json layer_types has {len(names)} entries; expected num_hidden_layers = {n}")
+  types = _layer_kinds(names, QWEN_LAYERS, "layer_types")
   if hf.get("hidden_act", "silu") != "silu":
     raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}; only silu is implemented")
-  if hf.get("attention_bias") or hf.get("mlp_bias"):
-    raise NotImplementedError("projection biases are not implemented")
+  if hf.get("mlp_bias"):
+    raise NotImplementedError("mlp_bias=true (MLP projection biases) is not implemented")
+
+  # MLP per layer, as transformers builds it (Qwen3NextDecoderLayer / Qwen3_5MoeDecoderLayer).
+  if model_type in QWEN_MOE_EVERY_LAYER:
+    mlp_types = ("moe",) * n
+  elif (hf.get("num_experts") or 0) > 0:
+    step, dense = _int(hf, "decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    mlp_types = tuple("moe" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(n))
+  else:
+    mlp_types = ("dense",) * n
+  moe = moe_config_from_hf(hf, dtype=dtype) if "moe" in mlp_types else None
+  intermediate = _int(hf, "intermediate_size") if "dense" in mlp_types else 1
+
+  attention = None
+  if "attention" in types:
+    heads = _int(hf, "num_attention_heads")
+    head_dim = _int(hf, "head_dim", _int(hf, "hidden_size") // heads)
+    rotary, theta = _rope(hf, head_dim)
+    attention = AttentionConfig(
+        num_heads=heads, num_kv_heads=_int(hf, "num_key_value_heads", heads), head_dim=head_dim,
+        rotary_dim=rotary, rope_theta=theta, qk_norm=True, norm_offset=1.0, output_gate=True,
+        bias=bool(hf.get("attention_bias", False)))
+  gdn = "gdn" in types
   config = LMConfig(
-      vocab_size=_get(hf, "vocab_size"), hidden_size=_get(hf, "hidden_size"), num_layers=n,
-      num_k_heads=_get(hf, "linear_num_key_heads"), num_v_heads=_get(hf, "linear_num_value_heads"),
-      head_k_dim=_get(hf, "linear_key_head_dim"), head_v_dim=_get(hf, "linear_value_head_dim"),
-      intermediate_size=_get(hf, "intermediate_size"), conv_kernel=_get(hf, "linear_conv_kernel_dim", 4),
+      vocab_size=_int(hf, "vocab_size"), hidden_size=_int(hf, "hidden_size"), num_layers=n,
+      num_k_heads=_int(hf, "linear_num_key_heads") if gdn else 1,
+      num_v_heads=_int(hf, "linear_num_value_heads") if gdn else 1,
+      head_k_dim=_int(hf, "linear_key_head_dim") if gdn else 1,
+      head_v_dim=_int(hf, "linear_value_head_dim") if gdn else 1,
+      intermediate_size=intermediate, conv_kernel=_int(hf, "linear_conv_kernel_dim", 4),
       rms_eps=float(_get(hf, "rms_norm_eps", 1e-6)), dtype=dtype, max_prompt_len=max_prompt_len,
-      norm_offset=1.0)
+      layer_types=types, norm_offset=1.0, attention=attention, moe=moe, mlp_types=mlp_types)
   return "qwen", config
 
 
+def _nemotron_types(hf: dict) -> tuple:
+  """Layer kinds of a Nemotron-H config: ``layers_block_type`` (5.x) or ``hybrid_override_pattern``."""
+  names, pattern = hf.get("layers_block_type"), hf.get("hybrid_override_pattern")
+  if names is not None:
+    if not isinstance(names, list):
+      raise ValueError(f"config.json layers_block_type={names!r}; expected a list of layer kinds")
+    types = _layer_kinds(names, NEMOTRON_LAYERS, "layers_block_type")
+  elif pattern is not None:
+    if not isinstance(pattern, str):
+      raise ValueError(f"config.json hybrid_override_pattern={pattern!r}; expected a string such as 'M*M-'")
+    types = _layer_kinds(pattern, NEMOTRON_PATTERN, f"hybrid_override_pattern={pattern!r}")
+  else:
+    raise ValueError("config.json has neither 'layers_block_type' nor 'hybrid_override_pattern'; "
+                     "expected one of them for model_type='nemotron_h'")
+  n = hf.get("num_hidden_layers")
+  if n is not None and n != len(types):
+    raise ValueError(f"config.json num_hidden_layers={n} but the layer kinds list {len(types)} layers")
+  return types
+
+
+def _time_step_limit(hf: dict) -> tuple:
+  limit = hf.get("time_step_limit", (0.0, math.inf))
+  if limit is None:
+    return 0.0, math.inf
+  if (not isinstance(limit, (list, tuple)) or len(limit) != 2
+      or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in limit)):
+    raise ValueError(f"config.json time_step_limit={limit!r}; expected [lo, hi] numbers")
+  return float(limit[0]), float(limit[1])
+
+
 def _plan_mamba(hf, dtype, max_prompt_len):
-  n = _get(hf, "num_hidden_layers")
-  if hf["model_type"] == "nemotron_h":
-    pattern = _get(hf, "hybrid_override_pattern")
-    if len(pattern) != n:
-      raise ValueError(f"config.json hybrid_override_pattern has {len(pattern)} entries; expected "
-                       f"num_hidden_layers = {n}")
-    kinds = {"M": "mamba2", "-": "mlp"}
-    for i, ch in enumerate(pattern):
-      if ch not in kinds:
-        what = {"*": "softmax attention", "E": "a mixture-of-experts MLP"}.get(ch, f"kind {ch!r}")
-        raise NotImplementedError(
-            f"layer {i} is {what} ({ch!r} in hybrid_override_pattern={pattern!r}): replayssm_jax "
-            f"implements Mamba2 ('M') and MLP ('-') layers of Nemotron-H, not attention or MoE")
-    types = tuple(kinds[ch] for ch in pattern)
-    heads, head_dim = _get(hf, "mamba_num_heads"), _get(hf, "mamba_head_dim")
-    state, intermediate = _get(hf, "ssm_state_size"), _get(hf, "intermediate_size")
+  nemotron = hf["model_type"] == "nemotron_h"
+  attention = moe = None
+  if nemotron:
+    hf = hf | {new: hf[old] for old, new in NEMOTRON_LEGACY_KEYS.items() if old in hf and new not in hf}
+    types = _nemotron_types(hf)
+    heads, head_dim = _int(hf, "mamba_num_heads"), _int(hf, "mamba_head_dim")
+    state = _int(hf, "ssm_state_size")
+    intermediate = _int(hf, "intermediate_size") if "mlp" in types else 1
     if hf.get("mlp_hidden_act", "relu2") != "relu2" or hf.get("mlp_bias"):
       raise NotImplementedError(f"Nemotron-H MLP with mlp_hidden_act={hf.get('mlp_hidden_act')!r}, "
                                 f"mlp_bias={hf.get('mlp_bias')}; only relu² without bias is implemented")
+    if "attention" in types:
+      q_heads = _int(hf, "num_attention_heads")
+      attn_dim = _int(hf, "head_dim", hf.get("attention_head_dim") or _int(hf, "hidden_size") // q_heads)
+      # transformers' NemotronHAttention: no positional encoding, projections without biases.
+      attention = AttentionConfig(num_heads=q_heads, num_kv_heads=_int(hf, "num_key_value_heads", q_heads),
+                                  head_dim=attn_dim, rotary_dim=0)
+    if "moe" in types:
+      moe = moe_config_from_hf(hf, dtype=dtype)
   else:
-    types = ("mamba2",) * n
-    heads, head_dim, state, intermediate = (_get(hf, "num_heads"), _get(hf, "head_dim"),
-                                           _get(hf, "state_size"), 1)
+    types = ("mamba2",) * _int(hf, "num_hidden_layers")
+    heads, head_dim, state, intermediate = (_int(hf, "num_heads"), _int(hf, "head_dim"),
+                                           _int(hf, "state_size"), 1)
   if hf.get("use_bias"):
-    raise NotImplementedError("use_bias=true (in_proj/out_proj biases) is not implemented")
-  limit = hf.get("time_step_limit", [0.0, math.inf])
-  if limit is not None and (limit[0] > 0 or math.isfinite(limit[1])):
-    raise NotImplementedError(f"time_step_limit={limit} (dt clamping) is not implemented")
+    raise NotImplementedError("use_bias=true (Mamba2 in_proj/out_proj biases) is not implemented")
   act = hf.get("mamba_hidden_act", hf.get("hidden_act", "silu"))
   if act != "silu":
     raise NotImplementedError(f"Mamba2 activation {act!r}; only silu is implemented")
   config = LMConfig(
-      vocab_size=_get(hf, "vocab_size"), hidden_size=_get(hf, "hidden_size"), num_layers=n,
-      intermediate_size=intermediate, conv_kernel=_get(hf, "conv_kernel", 4),
+      vocab_size=_int(hf, "vocab_size"), hidden_size=_int(hf, "hidden_size"), num_layers=len(types),
+      intermediate_size=intermediate, conv_kernel=_int(hf, "conv_kernel", 4),
       rms_eps=float(_get(hf, "layer_norm_epsilon", 1e-5)), dtype=dtype, max_prompt_len=max_prompt_len,
       layer_types=types, mixer_mlp=False, mlp_act="relu2", mamba2_num_heads=heads,
-      mamba2_head_dim=head_dim, mamba2_num_groups=_get(hf, "n_groups", 1), mamba2_state_dim=state,
-      **_NOT_USED)
+      mamba2_head_dim=head_dim, mamba2_num_groups=_int(hf, "n_groups", 1), mamba2_state_dim=state,
+      mamba2_dt_limit=_time_step_limit(hf), attention=attention, moe=moe, **_NOT_USED)
   return "mamba", config
 
 
@@ -253,7 +398,8 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
     embed, final = prefix + "embed_tokens.weight", prefix + "norm.weight"
   else:
     prefix = "backbone."
-    embed, final = prefix + "embeddings.weight", prefix + "norm_f.weight"
+    embed = prefix + ("embedding.weight" if t.has(prefix + "embedding.weight") else "embeddings.weight")
+    final = prefix + "norm_f.weight"
   out["embed.embedding"] = t.take(embed, (v, d))
   out["final_norm.weight"] = t.take(final, (d,))
   tied = hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False))
@@ -263,24 +409,35 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
     out["head.kernel"] = out["embed.embedding"].T
 
   for i, kind in enumerate(c.layer_types):
-    blk = f"blocks.{i}."
+    blk, layer = f"blocks.{i}.", f"{prefix}layers.{i}."
     if qwen:
-      layer = f"{prefix}layers.{i}."
       out[blk + "mixer_norm.weight"] = t.take(layer + "input_layernorm.weight", (d,))
       out[blk + "mlp_norm.weight"] = t.take(layer + "post_attention_layernorm.weight", (d,))
-      out.update(_gdn(t, layer + "linear_attn.", blk + "mixer.", c))
-      gate, up = (t.take(layer + f"mlp.{name}_proj.weight", (c.intermediate_size, d)) for name in ("gate", "up"))
-      out[blk + "mlp.gate_up.kernel"] = np.concatenate([gate, up]).T
-      out[blk + "mlp.down.kernel"] = t.take(layer + "mlp.down_proj.weight", (d, c.intermediate_size)).T
-    else:
-      layer = f"{prefix}layers.{i}."
-      if kind == "mamba2":
-        out[blk + "mixer_norm.weight"] = t.take(layer + "norm.weight", (d,))
-        out.update(_mamba2(t, layer + "mixer.", blk + "mixer.", c, hf.get("use_conv_bias", True)))
+      if kind == "attention":
+        out.update(_attention(t, layer + "self_attn.", blk + "mixer.", c))
       else:
-        out[blk + "mlp_norm.weight"] = t.take(layer + "norm.weight", (d,))
-        out[blk + "mlp.up.kernel"] = t.take(layer + "mixer.up_proj.weight", (c.intermediate_size, d)).T
-        out[blk + "mlp.down.kernel"] = t.take(layer + "mixer.down_proj.weight", (d, c.intermediate_size)).T
+        out.update(_gdn(t, layer + "linear_attn.", blk + "mixer.", c))
+      if c.block_mlp(i) == "moe":
+        out.update(_moe(t, layer + "mlp.", blk + "mlp.", c))
+      else:
+        gate, up = (t.take(layer + f"mlp.{name}_proj.weight", (c.intermediate_size, d)) for name in ("gate", "up"))
+        out[blk + "mlp.gate_up.kernel"] = np.concatenate([gate, up]).T
+        out[blk + "mlp.down.kernel"] = t.take(layer + "mlp.down_proj.weight", (d, c.intermediate_size)).T
+      continue
+    norm = t.take(layer + "norm.weight", (d,))
+    if kind == "mamba2":
+      out[blk + "mixer_norm.weight"] = norm
+      out.update(_mamba2(t, layer + "mixer.", blk + "mixer.", c, hf.get("use_conv_bias", True)))
+    elif kind == "attention":
+      out[blk + "mixer_norm.weight"] = norm
+      out.update(_attention(t, layer + "mixer.", blk + "mixer.", c))
+    elif kind == "moe":
+      out[blk + "mlp_norm.weight"] = norm
+      out.update(_moe(t, layer + "mixer.", blk + "mlp.", c))
+    else:
+      out[blk + "mlp_norm.weight"] = norm
+      out[blk + "mlp.up.kernel"] = t.take(layer + "mixer.up_proj.weight", (c.intermediate_size, d)).T
+      out[blk + "mlp.down.kernel"] = t.take(layer + "mixer.down_proj.weight", (d, c.intermediate_size)).T
   t.finish()
   return out
 
@@ -309,6 +466,29 @@ def _gdn(t: _Tensors, src: str, dst: str, c: LMConfig) -> dict:
       dst + "norm_weight": t.take(src + "norm.weight", (vd,)),
       dst + "out_proj.kernel": t.take(src + "out_proj.weight", (d, hv * vd)).T,
   }
+
+
+def _attention(t: _Tensors, src: str, dst: str, c: LMConfig) -> dict:
+  a, d = c.attention, c.hidden_size
+  q_rows = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
+  kv_rows, o_cols = a.num_kv_heads * a.head_dim, a.num_heads * a.head_dim
+  what = "(per head [query | gate])" if a.output_gate else ""
+  out = {dst + "q_proj.kernel": t.take(src + "q_proj.weight", (q_rows, d), what=what).T,
+         dst + "k_proj.kernel": t.take(src + "k_proj.weight", (kv_rows, d)).T,
+         dst + "v_proj.kernel": t.take(src + "v_proj.weight", (kv_rows, d)).T,
+         dst + "o_proj.kernel": t.take(src + "o_proj.weight", (d, o_cols)).T}
+  if a.bias:
+    for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows), ("o", d)):
+      out[dst + f"{name}_proj.bias"] = t.take(src + f"{name}_proj.bias", (rows,))
+  if a.qk_norm:
+    out[dst + "q_norm"] = t.take(src + "q_norm.weight", (a.head_dim,))
+    out[dst + "k_norm"] = t.take(src + "k_norm.weight", (a.head_dim,))
+  return out
+
+
+def _moe(t: _Tensors, src: str, dst: str, c: LMConfig) -> dict:
+  params = hf_moe_params(t.take, t.has, src, c.moe)
+  return {dst + name: value for name, value in params.items()}
 
 
 def _mamba2(t: _Tensors, src: str, dst: str, c: LMConfig, conv_bias: bool) -> dict:

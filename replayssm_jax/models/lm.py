@@ -26,6 +26,7 @@ commit (the ring rollback), the conv-state rewind of every recurrent layer and t
 advance (the KV rollback: entries past a slot's position are never read).
 """
 import dataclasses
+import math
 
 import flax.struct
 import jax
@@ -66,6 +67,7 @@ class LMConfig:
       MLP or a mixture of experts.
     mamba2_num_heads, mamba2_head_dim, mamba2_num_groups, mamba2_state_dim: Mamba2 shape (H, P,
       G, N; the conv kernel is ``conv_kernel``), used by "mamba2" layers.
+    mamba2_dt_limit: (lo, hi) clip of the Mamba2 step size Δ (``Mamba2Config.dt_limit``).
     intermediate_size: SwiGLU hidden width.
     max_prompt_len: longest prompt ``generate`` accepts (prompts are padded to it, so every
       prompt length shares one compilation).
@@ -99,6 +101,7 @@ class LMConfig:
   mamba2_head_dim: int = 16
   mamba2_num_groups: int = 1
   mamba2_state_dim: int = 16
+  mamba2_dt_limit: tuple = (0.0, math.inf)
   mixer_mlp: bool = True
   mlp_act: str = "swiglu"
   norm_offset: float = 0.0
@@ -185,7 +188,7 @@ class LMConfig:
     """The LMConfig of ``to_dict`` output (e.g. a preempted engine's ``engine.json``)."""
     d = dict(d)
     d["dtype"] = jnp.dtype(d["dtype"])
-    for name in ("layer_types", "mlp_types"):
+    for name in ("layer_types", "mlp_types", "mamba2_dt_limit"):
       if d.get(name) is not None:
         d[name] = tuple(d[name])
     if d.get("attention") is not None:
@@ -215,7 +218,7 @@ class LMConfig:
     return Mamba2Config(hidden_size=self.hidden_size, num_heads=self.mamba2_num_heads,
                         head_dim=self.mamba2_head_dim, num_groups=self.mamba2_num_groups,
                         state_dim=self.mamba2_state_dim, conv_kernel=self.conv_kernel,
-                        rms_eps=self.rms_eps, dtype=self.dtype)
+                        rms_eps=self.rms_eps, dt_limit=self.mamba2_dt_limit, dtype=self.dtype)
 
 
 @flax.struct.dataclass

@@ -8,7 +8,8 @@ Per token x ∈ R^D (H heads of size P, G groups, state size N, I = H·P, C = I 
 
     z, [x | B | C], dt = in_proj(x)                  one fused projection: I + C + H outputs
     [x | B | C] = silu(causal_depthwise_conv(x|B|C) + conv_bias)   kernel W over time, per channel
-    A = −exp(A_log),  Δ = softplus(dt + dt_bias)     (inside the Mamba2 op: dt_softplus=True)
+    A = −exp(A_log),  Δ = clip(softplus(dt + dt_bias), dt_limit)   (the softplus inside the
+                                                     Mamba2 op when dt_limit is the default (0, ∞))
     y = Mamba2(x, Δ, A, B, C) + D·x                  mamba2.chunked (prefill) / replay_decode / decode
     y = out_proj(rmsnorm_g(y · silu(z)) · w)         gated RMSNorm, norm_before_gate=False
 
@@ -56,6 +57,8 @@ class Mamba2Config:
     state_dim: N.
     conv_kernel: W, causal depthwise conv length (the conv state keeps W - 1 inputs).
     rms_eps: epsilon of the gated RMSNorm.
+    dt_limit: (lo, hi): Δ is clipped to [lo, hi] after the softplus (NVIDIA's ``dt_limit``,
+      transformers' ``time_step_limit``); the default (0, ∞) clips nothing.
     dtype: activation and parameter dtype (float32, bfloat16 or float16). Recurrence math is float32.
   """
   hidden_size: int
@@ -65,6 +68,7 @@ class Mamba2Config:
   state_dim: int = 16
   conv_kernel: int = 4
   rms_eps: float = 1e-6
+  dt_limit: tuple = (0.0, math.inf)
   dtype: jnp.dtype = jnp.float32
 
   def __post_init__(self):
@@ -79,6 +83,12 @@ class Mamba2Config:
                        f"{self.num_groups} (head h reads group h // (H // G))")
     if isinstance(self.rms_eps, bool) or not isinstance(self.rms_eps, (int, float)) or not self.rms_eps > 0:
       raise ValueError(f"rms_eps={self.rms_eps!r}; expected > 0")
+    limit = tuple(self.dt_limit) if isinstance(self.dt_limit, (tuple, list)) else None
+    if (limit is None or len(limit) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                                for v in limit)
+        or math.isnan(limit[0]) or math.isnan(limit[1]) or not 0 <= limit[0] <= limit[1]):
+      raise ValueError(f"dt_limit={self.dt_limit!r}; expected (lo, hi) floats with 0 <= lo <= hi")
+    object.__setattr__(self, "dt_limit", (float(limit[0]), float(limit[1])))
     dtype = jnp.dtype(self.dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       raise ValueError(f"dtype={dtype}; expected float32, bfloat16 or float16")
@@ -172,10 +182,25 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
     return (xs.reshape(*lead, c.num_heads, c.head_dim), B.reshape(*lead, c.num_groups, c.state_dim),
             C.reshape(*lead, c.num_groups, c.state_dim))
 
-  def _ssm_params(self):
-    """(A = −exp(A_log), D, dt_bias), float32 [H]."""
-    return (-jnp.exp(self.A_log[...].astype(f32)), self.D[...].astype(f32),
-            self.dt_bias[...].astype(f32))
+  def _ssm_params(self, dt, real=None):
+    """Raw dt [..., H] → the op's (A = −exp(A_log), D, dt, dt_bias, dt_softplus), float32.
+
+    With the default dt_limit the op applies softplus(dt + dt_bias) itself; a clipping limit
+    is applied here, Δ = clip(softplus(dt + dt_bias), lo, hi), and the op gets Δ. ``real``
+    (bool[..]) marks real prompt positions: elsewhere Δ = 0, the inert padding of ``prefill``.
+    """
+    c = self.config
+    A, D, dt_bias = (-jnp.exp(self.A_log[...].astype(f32)), self.D[...].astype(f32),
+                     self.dt_bias[...].astype(f32))
+    dt = dt.astype(f32)
+    if c.dt_limit == (0.0, math.inf):         # softplus ≥ 0: nothing to clip
+      if real is not None:
+        dt = jnp.where(real[..., None], dt, PAD_DT)
+      return A, D, dt, dt_bias, True
+    delta = jnp.clip(jax.nn.softplus(dt + dt_bias), *c.dt_limit)
+    if real is not None:
+      delta = jnp.where(real[..., None], delta, 0.0)
+    return A, D, delta, None, False
 
   def _output(self, y, z):
     """y, z [..., H, P] → out_proj(rmsnorm_per_group(y·silu(z))·w) [..., D] (in float32)."""
@@ -194,9 +219,10 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
     writes their slots' cache.
 
     Row b holds ``lengths[b]`` real tokens followed by padding. Padding is made inert: from
-    position ``lengths[b]`` on, the op inputs are x = B = C = 0 and raw dt = ``PAD_DT`` (−1e4), so
-    Δ = softplus(dt + dt_bias) = 0 exactly: the decay is e^{0·A} = 1 and Δ·x·Bᵀ = 0, so the final
-    state equals the state after ``lengths[b]`` tokens. The conv only looks back, so padding
+    position ``lengths[b]`` on, the op inputs are x = B = C = 0 and Δ = 0 (raw dt = ``PAD_DT``
+    (−1e4), so softplus(dt + dt_bias) = 0 exactly, or Δ = 0 set after a clipping dt_limit): the
+    decay is e^{0·A} = 1 and Δ·x·Bᵀ = 0, so the final state equals the state after
+    ``lengths[b]`` tokens. The conv only looks back, so padding
     never reaches a real position.
 
     The slots' conv state becomes the last W-1 real pre-conv inputs (zeros before the prompt
@@ -228,9 +254,8 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
     xs, B, C = self._split(jax.nn.silu(conv))
     mask = lambda u: jnp.where(real.reshape(real.shape + (1,) * (u.ndim - 2)), u, 0)
     xs, B, C = map(mask, (xs, B, C))
-    dt = jnp.where(real[..., None], dt.astype(f32), PAD_DT)
-    A, D, dt_bias = self._ssm_params()
-    y, S = mamba2.chunked(xs, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True,
+    A, D, dt, dt_bias, softplus = self._ssm_params(dt, real)
+    y, S = mamba2.chunked(xs, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=softplus,
                           chunk_size=chunk_size, initial_state=initial_state)  # y [B, T, H, P]
     y = jnp.where(real[..., None], self._output(y, z), 0)
 
@@ -265,14 +290,13 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
                                   cache.conv_state, slots)
 
     xs, B, C = self._split(jax.nn.silu(conv))
-    A, D, dt_bias = self._ssm_params()
-    dt = dt.astype(f32)
+    A, D, dt, dt_bias, softplus = self._ssm_params(dt)
     if replay:
       y, bufs = mamba2.replay_decode(xs, dt, A, B, C, cache.bufs, plan, D=D, dt_bias=dt_bias,
-                                     dt_softplus=True, implementation=implementation)
+                                     dt_softplus=softplus, implementation=implementation)
     else:
       y, state = mamba2.decode(xs, dt, A, B, C, cache.bufs.state, slots, D=D, dt_bias=dt_bias,
-                               dt_softplus=True, implementation=implementation)
+                               dt_softplus=softplus, implementation=implementation)
       bufs = cache.bufs.replace(state=state)
     y = jnp.where(live[:, None], self._output(y, z), 0)
     return y, Mamba2LayerCache(conv_state=conv_state, bufs=bufs)
@@ -306,9 +330,9 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
     conv, window = _conv.verify(xbc, self.conv_weight[...], self.conv_bias[...], cache.conv_state,
                                 slots)
     xs, B, C = self._split(jax.nn.silu(conv))
-    A, D, dt_bias = self._ssm_params()
-    y, bufs = mamba2.replay_verify(xs, dt.astype(f32), A, B, C, cache.bufs, plan, D=D,
-                                   dt_bias=dt_bias, dt_softplus=True, lengths=lengths,
+    A, D, dt, dt_bias, softplus = self._ssm_params(dt)
+    y, bufs = mamba2.replay_verify(xs, dt, A, B, C, cache.bufs, plan, D=D, dt_bias=dt_bias,
+                                   dt_softplus=softplus, lengths=lengths,
                                    implementation=implementation)
     y = jnp.where((slots >= 0)[:, None, None], self._output(y, z), 0)
     return y, cache.replace(bufs=bufs), window

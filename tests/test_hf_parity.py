@@ -1,0 +1,173 @@
+"""Parity with transformers on real checkpoint layouts (``tests/data/hf``, written by transformers'
+``save_pretrained``; see tests/data/README.md for the versions and the script that made them).
+
+For each family — Qwen3.5 (dense, attention every 4th layer), its multimodal wrapper, Qwen3-Next
+(attention + MoE), Qwen3.5-MoE, Nemotron-H (Mamba2, attention, MoE and MLP layers) and Mamba2 —
+the directory loads through ``load_pretrained`` and gives transformers' prefill logits (relative
+L2 <= 1e-5, float32, matmul precision highest) and its 32 greedy tokens, token for token, with
+ReplaySSM, conventional and speculative (3 n-gram drafts) decoding. No torch needed.
+"""
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from replayssm_jax.models import generate, load_pretrained
+
+DATA = pathlib.Path(__file__).resolve().parent / "data" / "hf"
+FAMILIES = ("qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_moe", "nemotron_h", "mamba2")
+MAX_PROMPT = 16
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision():
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _reference(name):
+  return np.load(DATA / name / "reference.npz")
+
+
+def _prompts(ref):
+  """int32 prompts [2, MAX_PROMPT] (right-padded) and their lengths."""
+  rows = [ref["prompt_0"], ref["prompt_1"]]
+  prompts = np.zeros((2, MAX_PROMPT), np.int32)
+  for b, p in enumerate(rows):
+    prompts[b, :len(p)] = p
+  return prompts, np.array([len(p) for p in rows], np.int32)
+
+
+def _prefill_logits(model, prompts, lengths):
+  cache = model.init_cache(4, max_len=MAX_PROMPT)
+  logits, _ = model.prefill(jnp.asarray(prompts), cache, jnp.array([3, 1], jnp.int32), jnp.asarray(lengths))
+  return np.asarray(logits)
+
+
+def _rel(a, b):
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+  model, config = load_pretrained(DATA / request.param, max_prompt_len=MAX_PROMPT)
+  return request.param, model, config, _reference(request.param)
+
+
+def test_prefill_logits_match_transformers(family):
+  name, model, _, ref = family
+  prompts, lengths = _prompts(ref)
+  logits = _prefill_logits(model, prompts, lengths)
+  for b, n in enumerate(lengths):
+    assert _rel(logits[b, :n], ref[f"prefill_logits_{b}"].reshape(n, -1)) <= 1e-5, (name, b)
+
+
+@pytest.mark.parametrize("mode", ["replay", "conventional", "speculative"])
+def test_greedy_tokens_match_transformers(family, mode):
+  name, model, _, ref = family
+  prompts, lengths = _prompts(ref)
+  tokens, num = generate(model, prompts, lengths, max_new_tokens=32, replay=mode != "conventional",
+                         speculative=3 if mode == "speculative" else 0)
+  assert np.asarray(num).tolist() == [32, 32]
+  for b in range(2):
+    np.testing.assert_array_equal(np.asarray(tokens[b]), ref[f"greedy_{b}"], err_msg=f"{name} {mode} row {b}")
+
+
+def test_the_fixtures_exercise_what_they_claim(family):
+  """The layer kinds are what the family is about, and the Mamba2 step sizes fall on both sides
+  of transformers' Nemotron-H clamp (so the clamp semantics change the outputs)."""
+  name, _, config, ref = family
+  kinds = set(config.layer_types) | {config.block_mlp(i) for i in range(config.num_layers)}
+  expected = {"qwen3_5": {"gdn", "attention", "dense"}, "qwen3_5_vl": {"gdn", "attention", "dense"},
+              "qwen3_next": {"gdn", "attention", "moe", "dense"}, "qwen3_5_moe": {"gdn", "attention", "moe"},
+              "nemotron_h": {"mamba2", "attention", "moe", "mlp", "dense", None},
+              "mamba2": {"mamba2", None}}[name]
+  assert kinds == expected
+  if "mamba2" in config.layer_types:
+    for b in range(2):
+      assert 0.2 <= float(ref[f"dt_below_min_{b}"]) <= 0.8
+
+
+def test_nemotron_h_follows_time_step_limit_not_transformers_prefill_clamp():
+  """transformers' Nemotron-H clamps dt at time_step_min in prefill only; the library follows
+  time_step_limit = (0, inf), as NVIDIA's reference does. Its logits are transformers' with that
+  clamp neutralised and differ from transformers' own (unpatched) prefill by ~3e-3."""
+  model, _ = load_pretrained(DATA / "nemotron_h", max_prompt_len=MAX_PROMPT)
+  ref = _reference("nemotron_h")
+  prompts, lengths = _prompts(ref)
+  logits = _prefill_logits(model, prompts, lengths)
+  for b, n in enumerate(lengths):
+    assert _rel(logits[b, :n], ref[f"prefill_logits_{b}"].reshape(n, -1)) <= 1e-5
+    assert _rel(logits[b, :n], ref[f"prefill_logits_{b}_unpatched"].reshape(n, -1)) > 1e-3
+
+
+def _rewrite(tmp_path, name, edit):
+  shutil.copytree(DATA / name, tmp_path / name)
+  cfg = json.loads((tmp_path / name / "config.json").read_text())
+  text = edit(cfg)
+  (tmp_path / name / "config.json").write_text(text if isinstance(text, str) else json.dumps(cfg))
+  return tmp_path / name
+
+
+def test_older_hub_config_layouts_load_the_same_model(tmp_path):
+  """Nemotron-H with num_hidden_layers + hybrid_override_pattern + legacy mamba_* keys and a bare
+  Infinity; Qwen3-Next with top-level rope_theta / partial_rotary_factor and
+  full_attention_interval instead of layer_types and rope_parameters."""
+  def old_nemotron(cfg):
+    kinds = {"linear_attention": "M", "full_attention": "*", "moe": "E", "mlp": "-"}
+    cfg["hybrid_override_pattern"] = "".join(kinds[k] for k in cfg.pop("layers_block_type"))
+    cfg["num_hidden_layers"] = len(cfg["hybrid_override_pattern"])
+    cfg["mamba_n_groups"] = cfg.pop("n_groups")
+    cfg["mamba_d_conv"] = cfg.pop("conv_kernel")
+    cfg.pop("time_step_limit")
+    return json.dumps(cfg)[:-1] + ', "mamba_dt_limit": [0.0, Infinity]}'
+
+  def old_qwen(cfg):
+    rope = cfg.pop("rope_parameters")
+    cfg.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+               rope_scaling=None, full_attention_interval=4)
+    cfg.pop("layer_types")
+
+  for name, edit in (("nemotron_h", old_nemotron), ("qwen3_next", old_qwen)):
+    new, new_config = load_pretrained(DATA / name, max_prompt_len=MAX_PROMPT)
+    old, old_config = load_pretrained(_rewrite(tmp_path, name, edit), max_prompt_len=MAX_PROMPT)
+    assert old_config == new_config
+    prompts, lengths = _prompts(_reference(name))
+    np.testing.assert_array_equal(_prefill_logits(old, prompts, lengths), _prefill_logits(new, prompts, lengths))
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda c: c.update(layers_block_type=["linear_attention", "sliding_attention"]), NotImplementedError,
+     r"layer 1 is 'sliding_attention' \(layers_block_type\)"),
+    (lambda c: c.update(mlp_hidden_act="gelu"), NotImplementedError, "mlp_hidden_act='gelu'"),
+    (lambda c: c.update(use_bias=True), NotImplementedError, "use_bias=true"),
+    (lambda c: c.update(num_hidden_layers=5), ValueError, "num_hidden_layers=5 but the layer kinds list 6"),
+    (lambda c: c.pop("layers_block_type"), ValueError, "neither 'layers_block_type' nor 'hybrid_override_pattern'"),
+    (lambda c: c.update(time_step_limit="wide"), ValueError, "time_step_limit='wide'"),
+], ids=["layer-kind", "activation", "bias", "layer-count", "no-kinds", "limit"])
+def test_nemotron_h_configs_the_library_cannot_load(tmp_path, edit, error, match):
+  with pytest.raises(error, match=match):
+    load_pretrained(_rewrite(tmp_path, "nemotron_h", edit))
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda c: c["rope_parameters"].update(rope_type="yarn"), NotImplementedError, "rope_type='yarn'"),
+    (lambda c: c.update(layer_types=c["layer_types"][:-1] + ["sliding_attention"]), NotImplementedError,
+     r"layer 3 is 'sliding_attention'"),
+    (lambda c: c.update(hidden_act="gelu"), NotImplementedError, "hidden_act='gelu'"),
+    (lambda c: c.pop("moe_intermediate_size"), ValueError, "no 'moe_intermediate_size'"),
+    (lambda c: "{not json", ValueError, "is not valid JSON"),
+], ids=["rope", "layer-kind", "activation", "moe-size", "json"])
+def test_qwen_configs_the_library_cannot_load(tmp_path, edit, error, match):
+  with pytest.raises(error, match=match):
+    load_pretrained(_rewrite(tmp_path, "qwen3_next", edit))
+
+
+def test_vision_tower_is_skipped_with_a_warning(caplog):
+  with caplog.at_level("WARNING"):
+    load_pretrained(DATA / "qwen3_5_vl", max_prompt_len=MAX_PROMPT)
+  assert "skipped the vision tower" in caplog.text
