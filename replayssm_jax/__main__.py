@@ -1,7 +1,8 @@
 """Command line: ``python -m replayssm_jax {demo, generate, bench}``.
 
-* ``demo``: a batch of byte-level prompts through the serving engine with ReplaySSM decode and
-  with conventional decode (tiny default model); asserts identical tokens, prints tokens/s.
+* ``demo``: a batch of prompts through the serving engine with ReplaySSM decode and with
+  conventional decode (the repository's tiny Qwen3.5 checkpoint, or ``--model-dir``); asserts
+  identical tokens, prints tokens/s.
 * ``generate``: greedy / sampled generation from a local Hugging Face directory
   (``--model-dir``, via ``models.load_pretrained``) or the tiny default; the prompt is given as
   token ids (``--token-ids 1,2,3``) or as text encoded byte-level (``--prompt``: UTF-8 bytes as
@@ -25,9 +26,12 @@ def _generate(args) -> int:
     model = make_model(LMConfig.tiny(max_prompt_len=args.max_prompt_len), seed=args.seed)
     config = model.config
   if (args.prompt is None) == (args.token_ids is None):
-    raise SystemExit("give exactly one of --prompt (byte-level text) or --token-ids (comma-separated ids)")
-  ids = (list(args.prompt.encode("utf-8")) if args.prompt is not None
-         else [int(t) for t in args.token_ids.split(",") if t.strip()])
+    raise ValueError("give exactly one of --prompt (byte-level text) or --token-ids (comma-separated ids)")
+  try:
+    ids = (list(args.prompt.encode("utf-8")) if args.prompt is not None
+           else [int(t) for t in args.token_ids.split(",") if t.strip()])
+  except ValueError:
+    raise ValueError(f"--token-ids {args.token_ids!r}; expected comma-separated integers") from None
   tokens, num = generate(model, np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32),
                          max_new_tokens=args.max_new_tokens, replay=not args.conventional,
                          temperature=args.temperature, seed=args.seed, buffer_len=args.buffer_len,
@@ -39,11 +43,22 @@ def _generate(args) -> int:
   return 0
 
 
+def _one_line_errors(job) -> int:
+  """Runs ``job``; bad input or an unsupported checkpoint prints one line and exits with 2."""
+  try:
+    return job()
+  except (ValueError, NotImplementedError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m replayssm_jax", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
   demo = sub.add_parser("demo", help="prompts through the serving engine, replay vs conventional")
+  demo.add_argument("--model-dir", default=None,
+                    help="local Hugging Face directory (default: the repository's tiny Qwen3.5 checkpoint)")
   demo.add_argument("--max-new-tokens", type=int, default=40)
   demo.add_argument("--max-running", type=int, default=4)
   demo.add_argument("--buffer-len", type=int, default=16)
@@ -68,10 +83,12 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.command == "demo":
     from replayssm_jax import demo as demo_module
-    return demo_module.run(max_new_tokens=args.max_new_tokens, max_running=args.max_running,
-                           buffer_len=args.buffer_len, implementation=args.implementation)
+    job = lambda: demo_module.run(model_dir=args.model_dir, max_new_tokens=args.max_new_tokens,
+                                  max_running=args.max_running, buffer_len=args.buffer_len,
+                                  implementation=args.implementation)
+    return _one_line_errors(job)
   if args.command == "generate":
-    return _generate(args)
+    return _one_line_errors(lambda: _generate(args))
   try:
     from bench import gdn_decode
   except ImportError as e:

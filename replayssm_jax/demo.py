@@ -1,17 +1,23 @@
 """The demo job: a batch of prompts through the serving engine with ReplaySSM decode and with
 conventional decode; the greedy tokens must be identical, and both report tokens/s.
 
-Model: the embedded tiny default (``LMConfig.tiny()``, seeded random weights, byte-level vocab of
-256: prompts are UTF-8 bytes). Requests have different lengths, so they join and finish at
-different steps (continuous batching over ``max_running`` slots).
+Model: the repository's tiny Qwen3.5-architecture checkpoint (``tests/data/hf/qwen3_5``, written by
+transformers' ``save_pretrained``: 8 layers, GatedDeltaNet ×3 then attention, twice; random
+weights; vocab 128, so ASCII prompts are their own token ids), loaded with ``load_pretrained``, or
+any local Hugging Face directory (``model_dir``; prompts are then byte-level ids, right only for
+byte vocabularies). Requests have different lengths, so they join and finish at different steps
+(continuous batching over ``max_running`` slots).
 """
+import pathlib
 import time
 
 import jax
 from tqdm.auto import tqdm
 
-from replayssm_jax.models import LMConfig, make_model
+from replayssm_jax.models import load_pretrained
 from replayssm_jax.serving import Engine, EngineConfig
+
+DEFAULT_MODEL_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "hf" / "qwen3_5"
 
 PROMPTS = ("ReplaySSM keeps a checkpoint", "plus a short ring of inputs", "and writes the state",
            "once every L steps.", "Gated DeltaNet", "Mamba2", "speculative rollback is a cursor move",
@@ -23,14 +29,21 @@ def encode(text: str) -> list:
   return list(text.encode("utf-8"))
 
 
-def run(*, max_new_tokens: int = 40, max_running: int = 4, buffer_len: int = 16,
+def run(*, model_dir=None, max_new_tokens: int = 40, max_running: int = 4, buffer_len: int = 16,
         implementation=None) -> int:
-  model = make_model(LMConfig.tiny(), seed=0)
-  print(f"replayssm_jax demo on {jax.devices()[0].device_kind} ({jax.default_backend()}): tiny GDN LM "
-        f"(2 layers, D 64, Hk 2, Hv 4, K = V = 16, seeded random weights), {len(PROMPTS)} byte-level "
-        f"prompts, up to {max_new_tokens} new tokens each, {max_running} slots, buffer_len L={buffer_len}")
+  model_dir = pathlib.Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
+  if not (model_dir / "config.json").is_file():
+    raise ValueError(f"model_dir={str(model_dir)!r} has no config.json; the default tiny checkpoint "
+                     f"lives in the repository (tests/data/hf/qwen3_5): run from a checkout or pass "
+                     f"--model-dir DIR")
+  model, cfg = load_pretrained(model_dir, max_prompt_len=64)
+  kinds = ", ".join(f"{cfg.layer_types.count(k)} {k}" for k in dict.fromkeys(cfg.layer_types))
+  print(f"replayssm_jax demo on {jax.devices()[0].device_kind} ({jax.default_backend()}): "
+        f"{model_dir.name} via load_pretrained ({cfg.num_layers} layers: {kinds}; D {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}), {len(PROMPTS)} prompts, up to {max_new_tokens} new tokens each, "
+        f"{max_running} slots, buffer_len L={buffer_len}")
   config = dict(max_running=max_running, batch_buckets=tuple(sorted({max(1, max_running // 2), max_running})),
-                buffer_len=buffer_len, implementation=implementation)
+                buffer_len=buffer_len, implementation=implementation, max_seq_len=64 + max_new_tokens)
   results = {}
   for replay in (True, False):
     name = "replay" if replay else "conventional"

@@ -1,17 +1,21 @@
-"""The serving engine (``replayssm_jax.serving``), CPU, float32, tiny GDN LM, replay decode.
+"""The serving engine (``replayssm_jax.serving``), CPU, float32, replay decode, on two tiny models:
+a GatedDeltaNet LM and a hybrid of GatedDeltaNet, attention (KV cache) and MoE layers.
 
+* The engine's greedy tokens are ``generate``'s.
 * Continuous batching: requests that join while others run, finish at different steps and land
   in other slots / batch rows get exactly the tokens they get when run alone.
 * Preempt → Orbax checkpoint → resume continues bit for bit (tokens and every cache array).
 * Prefix caching: a hit on a prompt-block snapshot and on a decode-boundary snapshot (forced
   flush: the snapshot's ring window is empty) gives the tokens of a cold run; a cache that never
-  hits warns; bad prompts and configs raise ValueError.
+  hits warns; bad prompts, sampling options, configs and damaged checkpoints raise ValueError.
 """
 import jax
 import numpy as np
 import pytest
 
-from replayssm_jax.models import LMConfig, make_model
+from replayssm_jax.models import LMConfig, generate, make_model
+from replayssm_jax.models.attention import AttentionConfig
+from replayssm_jax.models.moe import MoEConfig
 from replayssm_jax.serving import Engine, EngineConfig
 
 MAX_PROMPT = 32
@@ -25,9 +29,26 @@ PROMPTS = [RNG.randint(1, 256, n).tolist() for n in (5, 12, 3, 9)]
 NEW = [6, 11, 14, 8]
 
 
-@pytest.fixture(scope="module")
-def model():
-  return make_model(LMConfig.tiny(max_prompt_len=MAX_PROMPT), seed=0)
+HYBRID = LMConfig.tiny(
+    max_prompt_len=MAX_PROMPT, num_layers=4, layer_types=("gdn", "attention", "gdn", "attention"),
+    mlp_types=("dense", "moe", "dense", "dense"),
+    attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8, qk_norm=True,
+                              norm_offset=1.0, output_gate=True),
+    moe=MoEConfig(hidden_size=64, num_experts=4, top_k=2, expert_intermediate_size=32,
+                  shared_intermediate_size=32, shared_expert_gate=True))
+
+
+@pytest.fixture(scope="module", params=["gdn", "hybrid"])
+def model(request):
+  config = LMConfig.tiny(max_prompt_len=MAX_PROMPT) if request.param == "gdn" else HYBRID
+  return make_model(config, seed=0)
+
+
+def test_engine_tokens_are_generates(model, solo):
+  for p, n, tokens in zip(PROMPTS, NEW, solo):
+    out, num = generate(model, np.asarray([p], np.int32), np.asarray([len(p)], np.int32),
+                        max_new_tokens=n, buffer_len=BASE["buffer_len"])
+    assert np.asarray(out[0, :int(num[0])]).tolist() == tokens
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +178,35 @@ def test_bad_inputs(model):
     EngineConfig(prefix_block=8)
   with pytest.raises(ValueError, match="prefix_block=64 exceeds max_prompt_len=32"):
     Engine(model, EngineConfig(prefix_block=64, prefix_slots=1))
+  with pytest.raises(ValueError, match=r"prompt=\[1.5, 2\]; expected a flat sequence of integer token ids"):
+    engine.submit([1.5, 2], max_new_tokens=4)
+  with pytest.raises(ValueError, match="prompt=.*expected a flat sequence"):
+    engine.submit([[1, 2], [3, 4]], max_new_tokens=4)
+  with pytest.raises(ValueError, match="stop_tokens=.*expected a flat sequence"):
+    engine.submit([1, 2], max_new_tokens=4, stop_tokens=(0.5,))
+  for bad in (float("nan"), float("inf"), -1.0):
+    with pytest.raises(ValueError, match="temperature=.*expected a finite float >= 0"):
+      engine.submit([1, 2], max_new_tokens=4, temperature=bad)
+  with pytest.raises(ValueError, match="seed=-1"):
+    engine.submit([1, 2], max_new_tokens=4, seed=-1)
+
+
+def test_kv_capacity_is_checked_at_submit():
+  model = make_model(HYBRID, seed=0)
+  engine = Engine(model, EngineConfig(**BASE, max_seq_len=40))
+  engine.submit(list(range(1, 31)), max_new_tokens=10)               # 30 + 10 = 40 fits
+  with pytest.raises(ValueError, match="exceeds max_seq_len=40, the KV cache capacity"):
+    engine.submit(list(range(1, 31)), max_new_tokens=11)
+  with pytest.raises(ValueError, match="leaves no room to generate"):
+    Engine(model, EngineConfig(**BASE, max_seq_len=32))
+
+
+def test_resume_of_a_damaged_directory_names_the_file(tmp_path):
+  with pytest.raises(ValueError, match="has no engine.json"):
+    Engine.resume(tmp_path)
+  (tmp_path / "engine.json").write_text('{"model_config": {')
+  with pytest.raises(ValueError, match=r"engine.json is not a valid engine state .*JSONDecodeError"):
+    Engine.resume(tmp_path)
+  (tmp_path / "engine.json").write_text('{"model_config": {"vocab_size": 3}}')
+  with pytest.raises(ValueError, match=r"engine.json is not a valid engine state"):
+    Engine.resume(tmp_path)
