@@ -1,0 +1,300 @@
+"""End-to-end decode of real architectures: replay vs conventional, and where the step's time goes.
+
+Models: ``replayssm_jax.models.presets`` (Qwen3.5-4B, Nemotron-H-8B, Mamba-Codestral-7B,
+Qwen3-Next-80B-A3B at a depth that fits one GPU), random weights, bf16 parameters and
+activations, float32 recurrent state, bf16 rings. Every slot already holds ``--contexts`` tokens
+in its KV cache (the attention layers read them every step; the KV capacity is context + L) and
+the recurrent rows start at staggered cursor phases (row b has b mod (L-1) pending entries), so
+every step mixes flushing and non-flushing rows. One program per (mode, B, context): a
+``lax.fori_loop`` over whole flush cycles of L greedy decode steps (``LM.decode``, argmax fed
+back, cache donated; each cycle rewinds the positions to the context, so every cycle attends over
+the same number of tokens), timed by ``bench.common.time_loop`` (warm-up, calibration, median and
+p20/p80 of ``--reps`` timed calls). tokens/s = B / (ms per step).
+
+Per-part split (``--parts``): each kind of layer is timed alone at the same B and context, as a
+loop of whole flush cycles of its own step, and multiplied by its count in the model: recurrent
+mixers (GatedDeltaNet / Mamba2 decode with their conv state; replay and conventional), attention
+(KV write + attention over context + t tokens), MLP or MoE, and the head (final norm, vocab
+projection, argmax). Their sum next to the measured step shows what the rest (embedding, norms,
+residuals, fusion across layers) costs.
+
+    python -m bench.model_e2e --presets qwen3.5-4b,nemotron-h-8b --batches 1,8,32,128,256,512 --contexts 1024,8192 --parts
+    python -m bench.model_e2e --smoke            # CPU: the tiny checkpoints' shapes (tests/data/hf)
+"""
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bench import common
+from replayssm_jax.models import make_model
+from replayssm_jax.models import hf as hf_lib
+from replayssm_jax.models.attention import AttentionLayerCache
+from replayssm_jax.models.presets import preset
+
+# Buffer length per family: the best L of vLLM's ReplaySSM study (8 for Nemotron, 16 for Qwen3.5).
+BUFFER_LEN = {"qwen3.5-4b": 16, "qwen3-next-80b-a3b": 16, "nemotron-h-8b": 8, "mamba-codestral-7b": 8}
+# Depth that fits one H200 with room for a batch-512 cache (512 experts per layer: 1.6B params each).
+DEPTH = {"qwen3-next-80b-a3b": 12}
+SMOKE = {"tiny-qwen3_5": "qwen3_5", "tiny-nemotron_h": "nemotron_h"}   # tests/data/hf directories
+MODES = {"conventional": False, "replay": True}
+MEMORY_BUDGET = 120 * 2**30     # bytes of parameters + cache a run may take on a 141 GB card
+
+
+def model_config(name: str):
+  if name in SMOKE:
+    data = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "hf" / SMOKE[name]
+    return hf_lib._plan(hf_lib.read_config(data / "config.json"), dtype=jnp.float32, max_prompt_len=16)[1]
+  return preset(name, num_layers=DEPTH.get(name))
+
+
+def cache_bytes(model, batch, max_len, buffer_len) -> int:
+  abstract = jax.eval_shape(lambda: model.init_cache(batch, buffer_len=buffer_len, max_len=max_len,
+                                                     ring_dtype=jnp.bfloat16))
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+
+
+def prepared_cache(model, batch, *, context, buffer_len, replay):
+  """Cache with ``context`` tokens per slot (KV entries zero: attention costs the same) and, in
+  replay mode, staggered cursor windows of zero entries (an exact state)."""
+  cache = model.init_cache(batch, buffer_len=buffer_len, max_len=context + buffer_len,
+                           ring_dtype=jnp.bfloat16)
+  count = jnp.arange(batch, dtype=jnp.int32) % max(1, buffer_len - 1) if replay else cache.cursor.count
+  return cache.replace(cursor=cache.cursor.replace(count=count),
+                       positions=jnp.full((batch,), context, jnp.int32))
+
+
+def _step_loop(graphdef, *, replay, buffer_len, context):
+  def run(params, carry, n):
+    model = nnx.merge(graphdef, params)
+    slots = jnp.arange(carry[0].shape[0], dtype=jnp.int32)
+
+    def step(_, c):
+      tok, cache = c
+      logits, cache = model.decode(tok, cache, slots, replay=replay)
+      return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+    def cycle(_, c):
+      tok, cache = c
+      cache = cache.replace(positions=jnp.full_like(cache.positions, context))
+      return jax.lax.fori_loop(0, buffer_len, step, (tok, cache))
+    return jax.lax.fori_loop(0, n, cycle, carry)
+  return jax.jit(run, donate_argnums=(1,))
+
+
+# ---- parts, each timed alone -----------------------------------------------------------------
+
+def _part_loop(graphdef, kind, *, replay, buffer_len, context):
+  """A loop of whole cycles of one layer's step: (block params, carry, n) → carry."""
+  def run(params, carry, n):
+    block = nnx.merge(graphdef, params)
+    x0, state = carry
+    batch = x0.shape[0]
+    slots = jnp.arange(batch, dtype=jnp.int32)
+
+    def step(t, c):
+      x, state = c
+      if kind == "recurrent":
+        lc, cursor = state
+        plan = cursor.plan(slots)
+        y, lc = block.mixer.decode(x, lc, plan, replay=replay)
+        state = (lc, cursor.commit(plan) if replay else cursor)
+      elif kind == "attention":
+        start = jnp.full((batch,), context, jnp.int32) + t
+        y, state = block.mixer.step(x[:, None], state, slots, start, jnp.ones((batch, 1), bool))
+        y = y[:, 0]
+      elif kind == "mlp":
+        y = block.mlp(x)
+      else:   # head
+        logits = block.head(block.final_norm(x)).astype(jnp.float32)
+        y = x + jnp.argmax(logits, -1)[:, None].astype(x.dtype) * 1e-6
+      return (x + 1e-3 * y.astype(x.dtype)), state   # a data dependence from step to step
+
+    return jax.lax.fori_loop(0, n, lambda _, c: jax.lax.fori_loop(0, buffer_len, step, c), carry)
+  return jax.jit(run, donate_argnums=(1,))
+
+
+@dataclasses.dataclass
+class Part:
+  kind: str          # "recurrent", "attention", "mlp", "head"
+  label: str         # e.g. "gdn", "mamba2", "attention", "moe", "dense", "head"
+  count: int         # layers of this kind in the model
+  module: object     # the Block (or the LM for the head)
+  layer: int | None  # index into cache.layers (mixers)
+
+
+def model_parts(model) -> list:
+  c = model.config
+  parts, seen = [], {}
+  mixer_index = {id(b): i for i, b in enumerate(model.mixer_blocks)}
+  for i, b in enumerate(model.blocks):
+    if b.has_mixer:
+      kind = "attention" if b.layer_type == "attention" else "recurrent"
+      key = (kind, b.layer_type)
+      if key not in seen:
+        seen[key] = Part(kind, b.layer_type, 0, b, mixer_index[id(b)])
+        parts.append(seen[key])
+      seen[key].count += 1
+    if b.has_mlp:
+      key = ("mlp", c.block_mlp(i))
+      if key not in seen:
+        seen[key] = Part("mlp", c.block_mlp(i), 0, b, None)
+        parts.append(seen[key])
+      seen[key].count += 1
+  parts.append(Part("head", "head", 1, model, None))
+  return parts
+
+
+def time_part(model, part, batch, *, context, buffer_len, replay, reps, rep_seconds):
+  """ms per model step spent in this part (one layer's time × its count)."""
+  cache = prepared_cache(model, batch, context=context, buffer_len=buffer_len, replay=replay)
+  if part.kind == "recurrent":
+    state = (cache.layers[part.layer], cache.cursor)
+  elif part.kind == "attention":
+    state = cache.layers[part.layer]
+  else:
+    state = jnp.zeros((), jnp.int32)
+  del cache
+  x = common.hash_normal(7, (batch, model.config.hidden_size)).astype(model.config.dtype)
+  graphdef, params = nnx.split(part.module)
+  fn = _part_loop(graphdef, part.kind, replay=replay, buffer_len=buffer_len, context=context)
+  _, timing = common.time_loop(lambda c, n: fn(params, c, jnp.int32(n)), (x, state), reps=reps,
+                               rep_seconds=rep_seconds)
+  med, p20, p80 = common.quantiles([1e3 * t / buffer_len for t in timing.per_cycle()])
+  return {"part": part.label, "kind": part.kind, "layers": part.count, "ms_per_layer": med,
+          "ms_per_step": med * part.count, "p20_ms_per_layer": p20, "p80_ms_per_layer": p80}
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def measure_step(model, batch, *, mode, context, buffer_len, reps, rep_seconds):
+  graphdef, params = nnx.split(model)
+  cache = prepared_cache(model, batch, context=context, buffer_len=buffer_len, replay=MODES[mode])
+  fn = _step_loop(graphdef, replay=MODES[mode], buffer_len=buffer_len, context=context)
+  carry = (jnp.ones((batch,), jnp.int32), cache)
+  _, timing = common.time_loop(lambda c, n: fn(params, c, jnp.int32(n)), carry, reps=reps,
+                               rep_seconds=rep_seconds)
+  med, p20, p80 = common.quantiles([1e3 * t / buffer_len for t in timing.per_cycle()])
+  return {"mode": mode, "batch": batch, "context": context, "buffer_len": buffer_len, "median_ms": med,
+          "p20_ms": p20, "p80_ms": p80, "tokens_per_s": batch / (med / 1e3), "cycles": timing.n_cycles}
+
+
+def run_preset(name, *, batches, contexts, parts, reps, rep_seconds):
+  config = model_config(name)
+  buffer_len = BUFFER_LEN.get(name, 8)
+  model = make_model(config, seed=0)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  common.log(f"{name}: {config.num_layers} layers ({', '.join(f'{config.layer_types.count(k)} {k}' for k in dict.fromkeys(config.layer_types))}), "
+             f"{param_bytes / 2**30:.1f} GiB of parameters, L={buffer_len}")
+  rows, part_rows = [], []
+  for context in contexts:
+    for batch in batches:
+      need = param_bytes + cache_bytes(model, batch, context + buffer_len, buffer_len)
+      if need > MEMORY_BUDGET:
+        common.log(f"  C={context} B={batch}: skipped, {need / 2**30:.0f} GiB > {MEMORY_BUDGET / 2**30:.0f} GiB")
+        rows.append({"preset": name, "batch": batch, "context": context, "skipped": "memory",
+                     "bytes": need})
+        continue
+      group = [dict(measure_step(model, batch, mode=m, context=context, buffer_len=buffer_len, reps=reps,
+                                 rep_seconds=rep_seconds), preset=name) for m in MODES]
+      group[1]["speedup_vs_conv"] = group[0]["median_ms"] / group[1]["median_ms"]
+      rows += group
+      common.log(f"  C={context} B={batch}: conventional {group[0]['median_ms']:.3f} ms, replay "
+                 f"{group[1]['median_ms']:.3f} ms/step ({group[1]['speedup_vs_conv']:.2f}x), "
+                 f"{group[1]['tokens_per_s']:.0f} tokens/s")
+      if parts:
+        for part in model_parts(model):
+          for mode in (MODES if part.kind == "recurrent" else ("conventional",)):
+            r = time_part(model, part, batch, context=context, buffer_len=buffer_len, replay=MODES[mode],
+                          reps=reps, rep_seconds=rep_seconds)
+            part_rows.append(dict(r, preset=name, batch=batch, context=context,
+                                  mode=mode if part.kind == "recurrent" else "both"))
+  return {"preset": name, "config": config.to_dict(), "buffer_len": buffer_len,
+          "param_bytes": param_bytes, "rows": rows, "parts": part_rows}
+
+
+def _tables(results) -> str:
+  out = []
+  step_rows = []
+  for res in results:
+    for r in res["rows"]:
+      if "skipped" in r:
+        step_rows.append([r["preset"], str(r["context"]), str(r["batch"]), "-", "-", "-", "-",
+                          f"skipped ({r['bytes'] / 2**30:.0f} GiB)"])
+      elif r["mode"] == "replay":
+        conv = next(x for x in res["rows"] if x.get("mode") == "conventional" and x["batch"] == r["batch"]
+                    and x["context"] == r["context"])
+        step_rows.append([r["preset"], str(r["context"]), str(r["batch"]), f"{conv['median_ms']:.3f}",
+                          f"{r['median_ms']:.3f}", f"{conv['tokens_per_s']:.0f}", f"{r['tokens_per_s']:.0f}",
+                          f"{r['speedup_vs_conv']:.2f}x"])
+  out.append(common.render_table(["preset", "context", "B", "conv ms/step", "replay ms/step", "conv tok/s",
+                                  "replay tok/s", "replay speed-up"], step_rows, markdown=True))
+  part_rows = []
+  for res in results:
+    for r in res["parts"]:
+      part_rows.append([r["preset"], str(r["context"]), str(r["batch"]), f"{r['part']} ×{r['layers']}",
+                        r["mode"], f"{r['ms_per_layer']:.4f}", f"{r['ms_per_step']:.3f}"])
+  if part_rows:
+    out.append(common.render_table(["preset", "context", "B", "part", "mode", "ms per layer", "ms per step"],
+                                   part_rows, markdown=True))
+  return "\n\n".join(out)
+
+
+def plot(results, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for res in results:
+    for context in sorted({r["context"] for r in res["rows"]}):
+      pts = sorted((r["batch"], r["speedup_vs_conv"]) for r in res["rows"]
+                   if r.get("mode") == "replay" and r["context"] == context)
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=f"{res['preset']}, {context} context")
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("batch (requests decoding at once)")
+  ax.set_ylabel("ReplaySSM tokens/s ÷ conventional")
+  ax.set_title("End-to-end decode, random weights, bf16, f32 state")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(prog="python -m bench.model_e2e", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--smoke", action="store_true", help="CPU: the tiny checkpoints' shapes, B = 2, context 8")
+  p.add_argument("--presets", default="qwen3.5-4b,nemotron-h-8b", help="comma-separated preset names")
+  p.add_argument("--batches", default="1,8,32,128,256,512")
+  p.add_argument("--contexts", default="1024,8192", help="tokens already in each slot's KV cache")
+  p.add_argument("--parts", action="store_true", help="also time each kind of layer alone")
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--rep-seconds", type=float, default=0.25)
+  p.add_argument("--out-json", default=None)
+  p.add_argument("--plot", default=None, help="write the speed-up plot (PNG) here")
+  args = p.parse_args(argv)
+  names = list(SMOKE) if args.smoke else args.presets.split(",")
+  batches = [2] if args.smoke else [int(b) for b in args.batches.split(",")]
+  contexts = [8] if args.smoke else [int(c) for c in args.contexts.split(",")]
+  reps, rep_seconds = (2, 0.01) if args.smoke else (args.reps, args.rep_seconds)
+  results = [run_preset(n, batches=batches, contexts=contexts, parts=args.parts or args.smoke, reps=reps,
+                        rep_seconds=rep_seconds) for n in names]
+  print(_tables(results))
+  out = {"meta": common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.model_e2e"),
+         "results": results}
+  if args.out_json:
+    pathlib.Path(args.out_json).write_text(json.dumps(common.to_jsonable(out), indent=1))
+  if args.plot:
+    plot(results, args.plot)
+  return out
+
+
+if __name__ == "__main__":
+  main()
