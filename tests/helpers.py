@@ -141,17 +141,23 @@ def set_mosaic_rows(monkeypatch, rows: int, *config_names: str):
                         lambda real=real, **kw: dataclasses.replace(real(**kw), rows=rows))
 
 
-def lower_for_h200(fn, donate, *args) -> str:
+def lower_for_h200(fn, donate, *args, strict: bool = False) -> str:
   """StableHLO text of ``jax.jit(fn, donate_argnums=donate)`` lowered for an abstract H200 with
   the Pallas kernels built for real (not interpreted): notes/pallas-gpu.md §4. Shows what
-  interpret mode hides: Triton power-of-two sizes, unsupported primitives, in-place aliasing."""
+  interpret mode hides: Triton power-of-two sizes, unsupported primitives, in-place aliasing.
+  ``strict``: a DeprecationWarning while tracing or lowering fails (for the Mosaic kernels, which
+  must lower on every supported JAX without deprecated calls such as ``pl.program_id``)."""
+  import warnings
+
   import jax
   from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
   from replayssm_jax.pallas import common
   device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
   mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-  with common.force_lowering(), use_abstract_mesh(mesh):
+  with common.force_lowering(), use_abstract_mesh(mesh), warnings.catch_warnings():
+    if strict:
+      warnings.simplefilter("error", DeprecationWarning)
     lowered = jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("cuda",))
   return lowered.as_text()
 

@@ -300,7 +300,7 @@ def _h200_call(kernel, state_dtype):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_lowers_for_h200(kernel, state_dtype):
   fn, donate, args = _h200_call(kernel, state_dtype)
-  text = lower_for_h200(fn, donate, *args)
+  text = lower_for_h200(fn, donate, *args, strict=True)
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
   # Written Refs alias their donated buffers: pool (decode); state and three rings (replay, verify).
   assert text.count("tf.aliasing_output") == {"decode": 1, "decode_rows4": 1, "replay": 4,

@@ -214,7 +214,7 @@ def test_fold_tiles_change_the_fold_grid_not_results():
 
 def test_fold_tiles_defaults():
   """H200: two tiles per fold program for f32 state from B=128, four for bf16 at B=256, one at
-  smaller batches (sessions 11 and 12's sweeps: few flushing rows need many programs)."""
+  smaller batches (the launch table gdn_fold_tiles: few flushing rows need many programs)."""
   from replayssm_jax import config   # noqa: PLC0415
   kw = dict(device_kind="NVIDIA H200", head_k_dim=128, head_v_dim=128, num_k_heads=16,
             buffer_len=16, ring_size=16)

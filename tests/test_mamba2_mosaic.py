@@ -226,7 +226,7 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   and the three rings). Nano (P 80): no 64-row tile divides P, so compiling refuses it
   (implementation=None then falls back)."""
   fn, donate, args = _h200_call(kernel, state_dtype, buffer_len, geometry)
-  lower = lambda: lower_for_h200(fn, donate, *args)
+  lower = lambda: lower_for_h200(fn, donate, *args, strict=True)
   if geometry == "nano":
     with pytest.raises(NotImplementedError, match="P=80"):
       lower()

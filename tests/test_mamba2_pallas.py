@@ -349,7 +349,7 @@ def test_fold_tiles_change_the_fold_grid_not_results():
 
 def test_fold_tiles_defaults():
   """H200: one tile per fold program where the ring is short (R < 16: unrolled rank-one FMAs), four
-  where the fold is a window product at B=256 (session 12's sweep)."""
+  where the fold is a window product at B=256 (the launch table mamba2_fold_tiles)."""
   from replayssm_jax import config   # noqa: PLC0415
   kw = dict(device_kind="NVIDIA H200", state_dtype=jnp.float32, head_dim=64, state_dim=128,
             num_heads=128, num_groups=8, batch=256)

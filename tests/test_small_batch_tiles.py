@@ -1,5 +1,6 @@
 """The small-batch tiles of the conventional and flush-every-step kernels on an H200
-(config.SMALL_TILE_MAX_BATCH; bench/RESULTS.md session 10), and that the ops lower with them."""
+(config.SMALL_TILE_MAX_BATCH; the H200 launch tables cite the sweep), and that the ops lower with
+them."""
 import jax.numpy as jnp
 import pytest
 

@@ -16,7 +16,7 @@ H200 = "NVIDIA H200"
     ("gdn", jnp.float32, 4, 32, ("pallas_mosaic",)),
     ("gdn", jnp.float32, 8, 256, ("pallas_mosaic",)),
     ("gdn", jnp.float32, 2, 256, ()),            # a tie at T = 2: Triton stays first
-    ("gdn", jnp.float32, 4, 8, ("pallas_mosaic",)),   # B = 1 and 8 measured in session 11
+    ("gdn", jnp.float32, 4, 8, ("pallas_mosaic",)),   # B = 1 and 8 measured (2026-11-30)
     ("gdn", jnp.float32, 8, 1, ("pallas_mosaic",)),
     ("gdn", jnp.float32, 2, 1, ("pallas_mosaic",)),   # T = 2: Mosaic at B = 1, a tie from B = 8
     ("gdn", jnp.float32, 2, 8, ()),

@@ -16,8 +16,8 @@ staged by TMA while row i computes.
   the same program: unlike the Triton kernels (a separate fold pass over compacted rows, because a
   fused fold branch cost ~20 % on every row there), the checkpoint tile and the window already sit
   in SMEM here, so the fused fold re-reads nothing from HBM and needs no second launch.
-  H200, one row per program (bench/NOTES.md 61): 1.42x over conventional at B=256, L=16, f32,
-  against Triton's two passes 1.50x.
+  H200, one row per program, 2026-11-30: 1.42x over conventional at B=256, L=16, f32, against
+  Triton's two passes 1.50x (bench/results/gdn_decode_2026-11-30_s11_mosaic.json).
 * ``materialize``: the same fold body on every row, into a fresh f32 [B, Hv, V, K].
 * ``replay_verify``: speculative verify of T tokens per row, the reconstruct route of the Triton
   kernels (gdn_triton ``_reconstruct_kernel``). Grid (V/BV, Hv, B); for each of its rows a
@@ -60,11 +60,24 @@ _ROW_K = plgpu.Layout.WGMMA.reduce(0)  # [K] vector, broadcast over the tile's r
 _COL_V = plgpu.Layout.WGMMA.reduce(1)  # [BV] vector, broadcast over the tile's columns
 # H200: 228 KiB SMEM per SM; keep a margin for Mosaic's own scratch.
 _SMEM_BUDGET = 192 * 1024
+_HAS_STORE = hasattr(plgpu, "store")   # JAX >= 0.12 (see _store)
 
 
 def _vec(ref, layout):
   """float32 vector load (GMEM or SMEM) in a fixed layout."""
   return plgpu.load(ref, layout=layout, optimized=False).astype(f32)
+
+
+def _store(ref, value):
+  """``ref[...] = value`` for a vector or tile (GMEM or SMEM), without Mosaic's optimized-transfer
+  requirement. JAX 0.11 stored untiled arrays unoptimized; JAX 0.12 asks for an optimized
+  transfer by default, which refuses a GMEM store under 4 bytes per thread, such as a bf16 [BV]
+  vector in ``_COL_V`` (each thread holds rows 8 apart, one 2-byte element per transfer).
+  ``plgpu.store(optimized=False)`` (JAX 0.12) keeps JAX 0.11's transfer."""
+  if _HAS_STORE:
+    plgpu.store(ref, value, optimized=False)
+  else:
+    ref[...] = value
 
 
 def _zeros(n):
@@ -117,14 +130,14 @@ def _decode_kernel(slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_
 
     @pl.when(s >= 0)
     def _():
-      o_ref[b, h, tile] = o.astype(o_ref.dtype)
-      buf["S_smem"][...] = S.astype(buf["S_smem"].dtype)
+      _store(o_ref.at[b, h, tile], o.astype(o_ref.dtype))
+      _store(buf["S_smem"], S.astype(buf["S_smem"].dtype))
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(buf["S_smem"], pool_ref.at[s, h, tile])
 
     @pl.when(s < 0)
     def _():
-      o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+      _store(o_ref.at[b, h, tile], _zeros(block_v).astype(o_ref.dtype))
 
   _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row, interpret=interpret)
 
@@ -298,8 +311,8 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref,
 
       @pl.when(valid)
       def _():
-        o_ref[b, h, tile] = o.astype(o_ref.dtype)
-        ring_u_ref[s, h, put, tile] = u.astype(rdt)
+        _store(o_ref.at[b, h, tile], o.astype(o_ref.dtype))
+        _store(ring_u_ref.at[s, h, put, tile], u.astype(rdt))
 
         @pl.when(vt == 0)  # k and g are per head, not per V tile: one program appends them
         def _():
@@ -307,7 +320,7 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref,
 
       @pl.when(~valid)
       def _():
-        o_ref[b, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+        _store(o_ref.at[b, h, tile], _zeros(block_v).astype(o_ref.dtype))
 
       @pl.when(flush)
       def _():
@@ -315,7 +328,7 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref,
         S = _fold_window(Sc, rk_smem, ru_smem.at[i], rg_smem.at[i], base, count, ring_size)
         kr = k.astype(ring_k_ref.dtype).astype(f32)
         S = alpha * S + u.astype(rdt).astype(f32)[:, None] * kr[None, :]
-        S_smem[i] = S.astype(S_smem.dtype)
+        _store(S_smem.at[i], S.astype(S_smem.dtype))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(S_smem.at[i], state_ref.at[s, h, tile])
 
@@ -324,7 +337,7 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref,
 
     @pl.when(valid & (vt == 0))
     def _():
-      ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
+      _store(ring_k_ref.at[s, hk, put], k.astype(ring_k_ref.dtype))
 
   _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row, interpret=interpret)
 
@@ -339,11 +352,11 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
               ru_smem, rg_smem, bars)
   S = _tile_after_window(S_smem, rk_smem, ru_smem, rg_smem, bars, base_ref[b], length_ref[b],
                          ring_size)
-  out_smem[...] = S
+  _store(out_smem, S)
 
   @pl.when(s < 0)  # padding rows: zeros (S · 0 would keep a NaN of slot 0)
   def _():
-    out_smem[...] = plgpu.layout_cast(jnp.zeros(S.shape, f32), _TILE)
+    _store(out_smem, plgpu.layout_cast(jnp.zeros(S.shape, f32), _TILE))
 
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, h, tile])
@@ -402,23 +415,23 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
 
       @pl.when(live)
       def _():
-        o_ref[b, j, h, tile] = o.astype(o_ref.dtype)
+        _store(o_ref.at[b, j, h, tile], o.astype(o_ref.dtype))
 
       @pl.when(~live)
       def _():
-        o_ref[b, j, h, tile] = _zeros(block_v).astype(o_ref.dtype)
+        _store(o_ref.at[b, j, h, tile], _zeros(block_v).astype(o_ref.dtype))
 
       if j == 0:
         @pl.when(valid & (flush_ref[b] != 0))
         def _():
           # Window + token 0: the committed history only; drafts (tokens ≥ 1) are never folded.
-          buf["S_smem"][...] = S.astype(buf["S_smem"].dtype)
+          _store(buf["S_smem"], S.astype(buf["S_smem"].dtype))
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(buf["S_smem"], state_ref.at[s, h, tile])
 
       @pl.when(live)
       def _():
-        ring_u_ref[s, h, put, tile] = u.astype(rdt)
+        _store(ring_u_ref.at[s, h, put, tile], u.astype(rdt))
 
         @pl.when(vt == 0)  # g is per head, k per key head: one program appends each
         def _():
@@ -426,7 +439,7 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
 
           @pl.when(h % group == 0)
           def _():
-            ring_k_ref[s, hk, put] = k.astype(ring_k_ref.dtype)
+            _store(ring_k_ref.at[s, hk, put], k.astype(ring_k_ref.dtype))
 
   _pipeline_rows(rows, buffers, stage, verify_row, interpret=interpret)
 

@@ -45,14 +45,15 @@ from replayssm_jax.pallas import common
 from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _buffered_scratch, _fit,
                                              _interpret, _num_buffers, _pipeline_rows,
                                              _require_lowerable, _row_buffers, _smem_bytes,
-                                             _stage_head, _tile_after_window, _vec, _wait_all,
-                                             _with_rows, _zeros)
+                                             _stage_head, _store, _tile_after_window, _vec,
+                                             _wait_all, _with_rows, _zeros)
 
 f32 = jnp.float32
 _ROW_N, _COL_P = _ROW_K, _COL_V   # the GDN [V, K] tile's layouts, read as Mamba2's [P, N]
 _P_VECTORS = ("x", "z")           # per-token vectors over P (the others, B and C, are over N)
 # The verify kernel's token vectors copied to SMEM by TMA (``_stage_tokens``). Staging x and z
-# beat staging all four, B and C only, or none (bench/NOTES.md 35); B and C stay GMEM loads.
+# beat staging all four, B and C only, or none (H200, 2026-11-30, B=256, L=8, T=2/4/8;
+# bench/results/verify_2026-11-30_s8_staging_variants.log); B and C stay GMEM loads.
 _STAGED = ("x", "z")
 
 
@@ -118,14 +119,14 @@ def _decode_kernel(*refs, names, group, block_p, softplus, rows, interpret, **sc
 
     @pl.when(s >= 0)
     def _():
-      r["y_out"][b, h, tile] = y.astype(r["y_out"].dtype)
-      buf["S_smem"][...] = S.astype(buf["S_smem"].dtype)
+      _store(r["y_out"].at[b, h, tile], y.astype(r["y_out"].dtype))
+      _store(buf["S_smem"], S.astype(buf["S_smem"].dtype))
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(buf["S_smem"], r["pool"].at[s, h, tile])
 
     @pl.when(s < 0)
     def _():
-      r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
+      _store(r["y_out"].at[b, h, tile], _zeros(block_p).astype(r["y_out"].dtype))
 
   _pipeline_rows(rows, _row_buffers(scratch, rows), stage, step_row, interpret=interpret)
 
@@ -145,7 +146,7 @@ def _after_window(smem, bars, base, count, ring_size):
 
 def _store_checkpoint(r, smem, S, s, h, tile):
   """Slot s's checkpoint tile ← S, by TMA from SMEM (waited for at the program's end)."""
-  smem["S_smem"][...] = S.astype(smem["S_smem"].dtype)
+  _store(smem["S_smem"], S.astype(smem["S_smem"].dtype))
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(smem["S_smem"], r["state"].at[s, h, tile])
 
@@ -171,8 +172,8 @@ def _replay_kernel(*refs, names, group, block_p, ring_size, softplus, rows, inte
 
     @pl.when(valid)
     def _():
-      r["y_out"][b, h, tile] = y.astype(r["y_out"].dtype)
-      r["ring_x"][s, h, put, tile] = dx.astype(r["ring_x"].dtype)
+      _store(r["y_out"].at[b, h, tile], y.astype(r["y_out"].dtype))
+      _store(r["ring_x"].at[s, h, put, tile], dx.astype(r["ring_x"].dtype))
 
       @pl.when(pt == 0)  # ΔA is per head, B per group, not per P tile: one program appends each
       def _():
@@ -180,11 +181,12 @@ def _replay_kernel(*refs, names, group, block_p, ring_size, softplus, rows, inte
 
         @pl.when(h % group == 0)
         def _():
-          r["ring_B"][s, g, put] = _vec(r["B"].at[b, g], _ROW_N).astype(r["ring_B"].dtype)
+          B = _vec(r["B"].at[b, g], _ROW_N)
+          _store(r["ring_B"].at[s, g, put], B.astype(r["ring_B"].dtype))
 
     @pl.when(~valid)
     def _():
-      r["y_out"][b, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
+      _store(r["y_out"].at[b, h, tile], _zeros(block_p).astype(r["y_out"].dtype))
 
     # checkpoint ← window + this token
     pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, buf, S, s, h, tile))
@@ -240,8 +242,8 @@ def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens
 
       @pl.when(live)
       def _():
-        r["y_out"][b, j, h, tile] = y.astype(r["y_out"].dtype)
-        r["ring_x"][s, h, put, tile] = dx.astype(r["ring_x"].dtype)
+        _store(r["y_out"].at[b, j, h, tile], y.astype(r["y_out"].dtype))
+        _store(r["ring_x"].at[s, h, put, tile], dx.astype(r["ring_x"].dtype))
 
         @pl.when(pt == 0)  # ΔA is per head, B per group: one program appends each
         def _():
@@ -249,11 +251,11 @@ def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens
 
           @pl.when(h % group == 0)
           def _():
-            r["ring_B"][s, g, put] = vec("B").astype(r["ring_B"].dtype)
+            _store(r["ring_B"].at[s, g, put], vec("B").astype(r["ring_B"].dtype))
 
       @pl.when(~live)
       def _():
-        r["y_out"][b, j, h, tile] = _zeros(block_p).astype(r["y_out"].dtype)
+        _store(r["y_out"].at[b, j, h, tile], _zeros(block_p).astype(r["y_out"].dtype))
 
       if j == 0:
         # checkpoint ← window + token 0

@@ -1,0 +1,323 @@
+"""Launch choices per device kind, as data: the tables replayssm_jax/config.py picks from.
+
+A ``Table`` maps a key (``"f32"`` / ``"bf16"`` state, a family, a route; ``"*"`` when there is one
+entry) to a *ladder*: ``(when, value)`` rules, the first whose ``when`` holds wins. ``when`` bounds
+named inputs (batch, tokens, buffer_len, ring_size) by inclusive ``(lo, hi)`` ranges, None open;
+the last rule of every ladder has no condition. Tile values are keyword arguments of the config
+dataclasses. ``"bf16"`` stands for every state dtype but float32 (bf16 and f16: the same bytes
+and kernels; f16 is not measured separately).
+
+``source`` cites what set the values: bench/results/ files (each JSON records its command, date,
+device, JAX version and commit; all H200 files ran JAX 0.11.2), or a dated command where no file
+holds the run, or *untuned* with the prior the value came from. tests/test_launch_tables.py checks
+every table against its rule and that each cited file exists.
+"""
+import dataclasses
+
+HALF = "half"            # interpret mode: n // 2 (at least 1), two tiles of a head
+HALF_POW2 = "half_pow2"  # interpret mode: half of n rounded up to a power of two
+ANY = "*"
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  rows: dict
+  source: tuple[str, ...]
+
+
+def always(value) -> tuple:
+  """The one-rule ladder."""
+  return (({}, value),)
+
+
+def _tile(block_v, num_warps, block_k=None):
+  return {"block_v": block_v, "num_warps": num_warps, "block_k": block_k}
+
+
+def _m2(block_p, num_warps, block_n=None, heads=1):
+  return {"block_p": block_p, "num_warps": num_warps, "block_n": block_n, "heads": heads}
+
+
+SMALL_BATCH = {"batch": (None, 32)}   # config.SMALL_TILE_MAX_BATCH
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceTables:
+  """Every launch table of one device kind. ``num_sms``: None turns off the rule that shrinks a
+  program's work when the grid would give an SM fewer than two programs."""
+  kind: str
+  num_sms: int | None
+  gdn_decode: Table                # GDN conventional decode [BV, K] tile; by state, batch
+  gdn_flush_decode: Table          # GDN fold-and-step (flush_all); by state, batch, ring_size
+  gdn_replay_step: Table           # GDN output-only replay step [BV, BK] tile
+  gdn_fold: Table                  # GDN fold pass [BV, BK] tile (and materialize); by ring_size
+  gdn_fold_tiles: Table            # GDN fold tiles per program; by state, batch
+  verify_route: Table              # route of replay_verify(route=None), both families
+  gdn_verify_reconstruct: Table    # GDN verify reconstruct tile; None: the decode tile
+  gdn_verify_output_only: Table    # GDN verify output-only step; by tokens; None: the replay step
+  verify_mosaic: Table             # Mosaic first for replay_verify(None)? by (family, state)
+  replay_min_batch: Table          # flush every step below this batch; by (family, state)
+  mamba2_decode: Table             # Mamba2 conventional decode [BP, N] tile; by state, batch
+  mamba2_flush_block_n: Table      # N chunk of the Mamba2 fold-and-step rebuild branch
+  mamba2_replay_route: Table       # Mamba2 replay route "auto"; by state, buffer_len, batch
+  mamba2_replay_step: Table        # Mamba2 replay step tile; by route
+  mamba2_fold: Table               # Mamba2 fold tile by ring_size; None: GDN's fold tile
+  mamba2_fold_tiles: Table         # Mamba2 fold tiles per program; by ring_size, batch
+  mamba2_verify_reconstruct: Table  # Mamba2 verify reconstruct tile; None: the decode tile
+  mamba2_verify_output_only: Table  # Mamba2 verify output-only step; by tokens
+  mamba2_materialize: Table        # Mamba2 materialize tile
+  mosaic: Table                    # Mosaic GPU kernels: state-tile rows, batch rows per program
+
+
+H200 = DeviceTables(
+    kind="NVIDIA H200",
+    num_sms=132,
+    # f32 B ≤ 32: [8, K]/1 0.0032 / 0.0106 / 0.0374 ms at B = 1 / 8 / 32 vs [16, K]/2 0.0037 /
+    # 0.0112 / 0.0379. f32 B = 256: [16, K]/2 0.2828 ms, [8, K]/1 0.2824, others ≥ 0.2840.
+    # bf16 B = 256: [32, K]/4 0.162 ms, [32, K]/2 0.165, [64, K]/4 0.168; B ≤ 32: [32, K]/4 and
+    # [16, K]/2 equal, [8, K]/1 slower (0.0031 / 0.0077 / 0.0213).
+    gdn_decode=Table({
+        "f32": ((SMALL_BATCH, _tile(8, 1)), ({}, _tile(16, 2))),
+        "bf16": always(_tile(32, 4)),
+    }, source=("gdn_decode_2026-11-30_s10_small_tiles.json",
+               "gdn_decode_2026-11-30_s11_conv_tiles_b256.json",
+               "gdn_decode_2026-11-29_s2_fold_in_step_a.json")),
+    # The kernel's registers are set by its fold branch (an IEEE dot over R ring entries), which
+    # steady-state steps never run: the smallest tile keeps the empty-window branch at the
+    # conventional decode's speed. f32 L = 16: [8, K]/1 0.97-0.98x of conventional at B = 8-128,
+    # [16, K]/2 0.89-0.91x; bf16 B = 128: the decode tile [32, K]/4 0.99x, [8, K]/1 0.94x; bf16
+    # B ≤ 32: [8, K]/1 0.0027 / 0.0072 / 0.0218 ms against 0.0029 / 0.0077 / 0.0217. R ≥ 32:
+    # [8, K]/1 (f32 L = 32, B = 8: 1.01x of conventional).
+    gdn_flush_decode=Table({
+        "f32": always(_tile(8, 1)),
+        "bf16": ((SMALL_BATCH, _tile(8, 1)), ({"ring_size": (32, None)}, _tile(8, 1)),
+                 ({}, _tile(32, 4))),
+    }, source=("gdn_decode_2026-11-29_s4_flushall_tiles.json",
+               "gdn_decode_2026-11-29_s4_flushall_default.json",
+               "gdn_decode_2026-11-30_s10_small_tiles.json")),
+    # B = 256, L = 16: [64, 64] in 2 warps (K walked in two chunks) 0.226 ms f32, against
+    # 0.238-0.283 for BV 16-64 with 1-4 warps and whole K.
+    gdn_replay_step=Table({ANY: always(_tile(64, 2, 64))},
+                          source=("gdn_decode_2026-11-29_s2_step_tiles.json",
+                                  "gdn_decode_2026-11-29_s2_fold_in_step_a.json")),
+    # R ≥ 32: the fold's window dot holds R-long operand rows per thread; [32, 64]/2 spills
+    # (2.83 ms for 62 flushing rows, 7 GB of local loads), [16, 64]/4 0.184 ms (63 registers).
+    # R = 16, B = 256: [32, 64]/2 (f32 0.2191, bf16 0.1438 ms per layer-step), [16-64, 64-128]
+    # with 1-4 warps within 2 %.
+    gdn_fold=Table({ANY: (({"ring_size": (32, None)}, _tile(16, 4, 64)), ({}, _tile(32, 2, 64)))},
+                   source=("verify_parts_2026-11-29_T4.log", "ncu_gdn_verify_fold_2026-11-29.log",
+                           "gdn_decode_2026-11-29_s2_P8.json")),
+    # L = 16. B = 256, 1 / 2 / 4 / 8 tiles: f32 0.1861 / 0.1842 / 0.1895 / 0.1844 ms, bf16
+    # 0.1205 / 0.1200 / 0.1166 / 0.1210. Fewer flushing rows leave too few programs to share out:
+    # B = 128 f32 1 / 2 tiles 0.0997 / 0.0985, bf16 1 / 4 0.0656 / 0.0655; B = 32 f32 0.0308 /
+    # 0.0318, bf16 0.0204 / 0.0240.
+    gdn_fold_tiles=Table({
+        "f32": (({"batch": (128, None)}, 2), ({}, 1)),
+        "bf16": (({"batch": (256, None)}, 4), ({}, 1)),
+    }, source=("gdn_decode_2026-11-30_s11_fold_tiles1.json",
+               "gdn_decode_2026-11-30_s11_fold_tiles2.json",
+               "gdn_decode_2026-11-30_s11_fold_tiles4.json",
+               "gdn_decode_2026-11-30_s11_fold_tiles8.json",
+               "gdn_fold_tiles_small_batch_2026-11-30_s12.json")),
+    # B = 256, L = 16, f32, x the conventional speculative verify: reconstruct [8, ·]/1 GDN 1.33x
+    # (T = 4) / 1.49x (T = 8), Mamba2 1.41x / 1.82x; output-only GDN 0.52x / 0.09x, Mamba2 0.71x /
+    # 0.55x.
+    verify_route=Table({ANY: always("reconstruct")},
+                       source=("verify_gdn_2026-11-29_s5_routes.json",
+                               "verify_mamba2_2026-11-29_s5_routes.json")),
+    # Same runs: [8, K]/1 0.552 / 0.912 ms (T = 4 / 8) vs [16, K]/2 0.722 / 1.042 and [32, K]/4
+    # 0.752 / 1.124: the window loop and the T steps are latency-bound, more smaller programs win.
+    gdn_verify_reconstruct=Table({ANY: always({"block_v": 8, "num_warps": 1})},
+                                 source=("verify_gdn_2026-11-29_s5_routes.json",)),
+    # T ≤ 4 (B = 256, T = 4, L = 16, step kernel alone): [32, 64]/4 1.26 ms, /2 1.30, [16, 64]
+    # 1.64 (4 warps) / 1.93 (2), [16, 128] 1.61, [32, 32] 1.70. T = 5..8: *untuned*, half the
+    # rows for the doubled live vectors.
+    gdn_verify_output_only=Table({ANY: (({"tokens": (None, 4)}, _tile(32, 4, 64)),
+                                        ({}, _tile(16, 4, 64)))},
+                                 source=("verify_parts_2026-11-29_T4.log",)),
+    # Mosaic vs Triton reconstruct, L = 8, f32, ms per layer-step. GDN T = 2: a tie from B = 8
+    # (0.0145 vs 0.0141 at B = 8, 0.2933 vs 0.2909 at 256), Mosaic at B = 1 (0.0049 vs 0.0057);
+    # T = 4: 0.0072 vs 0.0077 (B = 1) ... 0.4071 vs 0.4770 (256); T = 8 Mosaic everywhere.
+    # GDN bf16, B = 256: T = 4 0.3886 vs 0.4270 (measured there only). Mamba2 f32: Mosaic at every
+    # B (T = 4, B = 256 0.638 vs 0.873); bf16 unmeasured. Model step (one verify + commit of the
+    # whole stack): Mosaic 1.12-1.22x (GDN), 1.04-1.10x (Mamba2) at B = 32 / 256.
+    verify_mosaic=Table({
+        ("gdn", "f32"): (({"tokens": (4, None)}, True), ({"batch": (None, 7)}, True), ({}, False)),
+        ("gdn", "bf16"): (({"tokens": (4, None), "batch": (256, None)}, True), ({}, False)),
+        ("mamba2", "f32"): always(True),
+        ("mamba2", "bf16"): always(False),
+    }, source=("verify_gdn_2026-11-30_s8_mosaic.json",
+               "verify_gdn_2026-11-30_s8_mosaic_b32_128.json",
+               "verify_gdn_2026-11-30_s8_mosaic_bf16.json",
+               "verify_2026-11-30_s8_staged_tokens.log",
+               "verify_mamba2_2026-11-30_s8_mosaic.json",
+               "verify_gdn_2026-11-30_s11_b1_b8.json",
+               "verify_mamba2_2026-11-30_s11_b1_b8.json",
+               "model_spec_gdn_2026-11-30_s9.json",
+               "model_spec_mamba2_2026-11-30_s9.json",
+               "model_spec_2026-11-30_s11_b1_b8.json")),
+    # Per layer-step vs the conventional kernel, bf16 ring. GDN, L = 16 (measured there only):
+    # f32 replay 0.34x / 0.78x / 1.23x / 1.43x at B = 1 / 8 / 32 / 128, flush-every-step 1.13x /
+    # 1.00x / 0.98x / 0.97x; bf16 replay 0.34x / 0.53x / 1.02x / 1.14x. Mamba2 f32, L ≤ 8: replay
+    # 0.76x / 0.98x / 1.09x / 1.17x at B = 1 / 8 / 32 / 128; L = 16 loses up to B = 128 (0.90x),
+    # wins at 256. Mamba2 bf16: L = 8 / 16 replay 0.83x / 0.86x at B = 32, 1.05x / 1.03x at 128;
+    # L = 4 0.99x at 128, 1.06x at 256. Flush-every-step runs at 0.93-1.03x everywhere.
+    replay_min_batch=Table({
+        ("gdn", "f32"): always(32),
+        ("gdn", "bf16"): always(32),
+        ("mamba2", "f32"): (({"buffer_len": (None, 8)}, 32), ({}, 256)),
+        ("mamba2", "bf16"): (({"buffer_len": (None, 7)}, 256), ({}, 128)),
+    }, source=("gdn_decode_2026-11-30_s10_matrix.json",
+               "gdn_decode_2026-11-30_s11_small_defaults.json",
+               "mamba2_decode_2026-11-29_s4_matrix_f32.log",
+               "mamba2_decode_2026-11-29_s7_bf16_matrix.json",
+               "mamba2_decode_2026-11-30_s10_matrix.json",
+               "mamba2_decode_2026-11-30_s11_small_defaults.json")),
+    # B ≤ 32: f32 [16, N]/1 0.0045 / 0.0197 / 0.0725 ms at B = 1 / 8 / 32 vs [16, N]/2 0.0047 /
+    # 0.0201 / 0.0732; bf16 [8, N]/1 0.0033 / 0.0120 / 0.0399 vs [32, N]/4 0.0036 / 0.0124 /
+    # 0.0405. Above: *untuned*, GDN's B = 256 tiles.
+    mamba2_decode=Table({
+        "f32": ((SMALL_BATCH, _m2(16, 1)), ({}, _m2(16, 2))),
+        "bf16": ((SMALL_BATCH, _m2(8, 1)), ({}, _m2(32, 4))),
+    }, source=("mamba2_decode_2026-11-30_s10_small_tiles.json",
+               "untuned above B = 32: GDN's conventional decode tiles")),
+    # *untuned*: the rebuild walks N in chunks of 32 as the replay step's fold does.
+    mamba2_flush_block_n=Table({ANY: always(32)}, source=("untuned: the replay step's N chunk",)),
+    # f32, bf16 ring, x conventional: reconstruct 1.20x / 1.09x at B = 32, L = 4 / 8 (output-only
+    # 0.84x / 0.80x), 1.32x / 1.17x at 128 (1.09x / 1.17x); at L = 16 output-only wins everywhere
+    # (B = 256: 1.17x vs 0.40x), and at B = 1. bf16: output-only wins at every B ≥ 128 and L.
+    mamba2_replay_route=Table({
+        "f32": (({"buffer_len": (None, 4), "batch": (8, None)}, "reconstruct"),
+                ({"buffer_len": (None, 8), "batch": (8, 128)}, "reconstruct"),
+                ({}, "output_only")),
+        "bf16": always("output_only"),
+    }, source=("mamba2_decode_2026-11-29_s4_matrix_f32.log",
+               "mamba2_decode_2026-11-29_s7_bf16_matrix.json")),
+    # *untuned*: output-only [32, 128] checkpoint tiles (GDN's best replay tile held the same 4096
+    # elements), 4 heads per program share B_j·C; reconstruct one head per program (nothing shared).
+    mamba2_replay_step=Table({
+        "output_only": always(_m2(32, 2, 32, heads=4)),
+        "reconstruct": always(_m2(32, 2, 32, heads=1)),
+    }, source=("untuned: GDN's replay-step tile size",)),
+    # R < 16 (unrolled rank-one FMAs), B = 256, L = 8, f32: [64, 64]/4 0.4436 ms, [32, 128]/4
+    # 0.4465, GDN's [32, 64]/2 0.4522, [16, 64]/4 0.4896. R ≥ 16: GDN's fold tile (*untuned* here).
+    mamba2_fold=Table({ANY: (({"ring_size": (None, 15)}, _tile(64, 4, 64)), ({}, None))},
+                      source=("mamba2_decode_2026-11-29_s6_fold_sweep.json",)),
+    # B = 256, 1 / 2 / 4 tiles: R = 8 f32 0.4268 / 0.4444 / 0.4466 ms, bf16 0.2554 / 0.2593 /
+    # 0.2597; R = 16 f32 0.4060 / 0.4045 / 0.3997, bf16 0.2586 / 0.2569 / 0.2537. Smaller batches
+    # unmeasured (GDN's fold lost with more tiles there): one.
+    mamba2_fold_tiles=Table({ANY: (({"ring_size": (16, None), "batch": (256, None)}, 4), ({}, 1))},
+                            source=("mamba2_fold_tiles_2026-11-30_s12.json",
+                                    "mamba2_decode_2026-11-30_s12_fold_tiles_default.json")),
+    # B = 256, L = 16: [8, N]/1 1.026 / 1.490 ms (T = 4 / 8) vs the decode's [16, N]/2 1.119 /
+    # 1.892.
+    mamba2_verify_reconstruct=Table({ANY: always(_m2(8, 1))},
+                                    source=("verify_mamba2_2026-11-29_s5_routes.json",)),
+    # *untuned*: T ≤ 4 the output-only replay step's tile; T = 5..8 keeps T Δx vectors and T window
+    # products live per head: 2 heads per program.
+    mamba2_verify_output_only=Table({ANY: (({"tokens": (None, 4)}, _m2(32, 2, 32, heads=4)),
+                                           ({}, _m2(32, 2, 32, heads=2)))},
+                                    source=("untuned: the output-only replay step's tile",)),
+    mamba2_materialize=Table({ANY: always(_m2(32, 2, 32))},
+                             source=("untuned: the replay step's rebuild chunk",)),
+    # 64 rows: the smallest WGMMA tile that lowers; r = 2 f32 [64, 128] tiles and a 16-entry ring
+    # stay under 100 KiB of SMEM. Batch rows per program, B = 256, rows 1 / 2 / 4, ms: GDN replay
+    # L = 16 f32 0.197 / 0.295 / 0.293, bf16 0.185 / 0.183 / 0.183; Mamba2 replay (reconstruct)
+    # L = 8 f32 0.388 / 0.447 / 0.417; GDN verify T = 4 L = 8 f32 0.388 / 0.373 / 0.366; Mamba2
+    # verify 0.615 / 0.744 / 0.738; GDN conventional f32 0.290 / 0.289 / 0.290, bf16 0.186 / 0.173
+    # / 0.161 (Triton's 0.285 / 0.1495). One row everywhere: only GDN verify gains (5.7 % at
+    # rows = 4, B = 256 only; smaller batches unmeasured), and the conventional Mosaic decode
+    # stays behind Triton's with any rows.
+    mosaic=Table({ANY: always({"block_v": 64, "rows": 1})}, source=(
+        "H200 2026-12-01, JAX 0.11.2, commit 60b2ea2: python -m bench.gdn_decode --arms "
+        "conv-pallas,conv-mosaic,replay-pallas-oo,replay-mosaic --configs default,r2,r4 "
+        "--batches 256 --buffer-lens 16 --state-dtypes float32,bfloat16; python -m "
+        "bench.mamba2_decode --arms conv-pallas,replay-pallas-oo,replay-mosaic-rc --configs "
+        "default,r2,r4 --batches 256 --buffer-lens 8 --state-dtypes float32; python -m "
+        "bench.verify_decode --family {gdn,mamba2} --tokens 4 --batches 256 --buffer-len 8 "
+        "--state-dtypes float32 --arms replay-mosaic,conv-pallas --variants ,rows=2,rows=4",)),
+)
+
+# Any other GPU: the H200's tiles (the only GPU measured), and no Mosaic preference for verify
+# (the Mosaic kernels were measured faster on the H200 only).
+OTHER_GPU = dataclasses.replace(
+    H200, kind="other GPU",
+    verify_mosaic=Table({key: always(False) for key in H200.verify_mosaic.rows},
+                        source=("untuned: measured on the H200 only",)))
+
+_INTERPRET = ("interpret mode: speed is irrelevant; two tiles per head (and per program, and "
+              "two heads or rows per program) make the CPU tests cover the kernels' tile indexing",)
+_CPU_TILE = _tile(16, 4)
+_CPU_M2 = _m2(HALF_POW2, 4, HALF_POW2, heads=2)
+
+# CPU: the Pallas interpreter. Rules that differ in kind from the GPU's say so in their value.
+CPU = DeviceTables(
+    kind="cpu",
+    num_sms=None,
+    gdn_decode=Table({"f32": always(_CPU_TILE), "bf16": always(_CPU_TILE)}, source=_INTERPRET),
+    gdn_flush_decode=Table({"f32": always(_CPU_TILE), "bf16": always(_CPU_TILE)},
+                           source=_INTERPRET),
+    gdn_replay_step=Table({ANY: always(_tile(16, 4, HALF))}, source=_INTERPRET),
+    gdn_fold=Table({ANY: always(_tile(16, 4, HALF))}, source=_INTERPRET),
+    gdn_fold_tiles=Table({"f32": always(2), "bf16": always(2)}, source=_INTERPRET),
+    verify_route=Table({ANY: always("output_only")},
+                       source=("interpret mode: the route the interpret tests were sized for (both "
+                               "routes are tested by name)",)),
+    gdn_verify_reconstruct=Table({ANY: always(None)}, source=_INTERPRET),
+    gdn_verify_output_only=Table({ANY: always(None)}, source=_INTERPRET),
+    verify_mosaic=Table({key: always(False) for key in H200.verify_mosaic.rows},
+                        source=("CPU: no GPU kernel is faster",)),
+    replay_min_batch=Table({key: always(0) for key in H200.replay_min_batch.rows},
+                           source=("CPU: nothing is bandwidth-bound in interpret mode or XLA on "
+                                   "CPU",)),
+    mamba2_decode=Table({"f32": always(_m2(HALF_POW2, 4)), "bf16": always(_m2(HALF_POW2, 4))},
+                        source=_INTERPRET),
+    mamba2_flush_block_n=Table({ANY: always(HALF_POW2)}, source=_INTERPRET),
+    mamba2_replay_route=Table({"f32": always("output_only"), "bf16": always("output_only")},
+                              source=_INTERPRET),
+    mamba2_replay_step=Table({"output_only": always(_CPU_M2), "reconstruct": always(_CPU_M2)},
+                             source=_INTERPRET),
+    mamba2_fold=Table({ANY: always(None)}, source=_INTERPRET),
+    mamba2_fold_tiles=Table({ANY: always(2)}, source=_INTERPRET),
+    mamba2_verify_reconstruct=Table({ANY: always(None)}, source=_INTERPRET),
+    mamba2_verify_output_only=Table({ANY: always(_CPU_M2)}, source=_INTERPRET),
+    mamba2_materialize=Table({ANY: always(_m2(HALF_POW2, 4, HALF_POW2))}, source=_INTERPRET),
+    # Interpret mode ignores Mosaic layouts: 16-row tiles give two tiles per 32-row head; four rows
+    # per program cover the double-buffered row loop.
+    mosaic=Table({ANY: always({"block_v": 16, "rows": 4})}, source=_INTERPRET),
+)
+
+# Device-independent defaults (measured on the H200).
+# One token per step: L = 16. B = 256, x conventional: f32 L = 8 / 16 / 32 1.31x / 1.55x / 1.42x,
+# bf16 1.12x / 1.26x / 0.93x. Speculative verify: short windows win (every flush is cheaper than
+# a long window replay), L = max(T, min(2T, 8)). B = 256, f32, x conventional speculative, Triton:
+# GDN T = 2 L = 4 1.59 vs L = 8 1.52, T = 4 L = 8 1.52 vs L = 16 1.32, T = 8 L = 8 1.56 vs L = 16
+# 1.48 (Mamba2 alike); Mosaic T = 4: L = 8 / 12 / 16 1.82x / 1.76x / 1.64x (GDN), 2.30x / 2.23x /
+# 2.06x (Mamba2). T = 3, 5-7 interpolated.
+BUFFER_LEN = Table({"decode": always(16), "verify_max": always(8)},
+                   source=("gdn_fused_step_2026-11-30_s12_main_a.json",
+                           "verify_gdn_2026-11-29_s6_T2_L4.json",
+                           "verify_gdn_2026-11-29_s6_T2_L8.json",
+                           "verify_gdn_2026-11-29_s6_L8.json",
+                           "verify_gdn_2026-11-29_s6_T8_L8.json",
+                           "verify_gdn_2026-11-29_s6_T8_L16.json",
+                           "verify_gdn_T4_L8_2026-11-30_s12.json",
+                           "verify_gdn_T4_L12_2026-11-30_s12.json",
+                           "verify_gdn_T4_L16_2026-11-30_s12.json",
+                           "verify_mamba2_T4_L12_2026-11-30_s12.json"))
+# GDN replay_decode(route="auto"): output-only. B = 256, L = 16 vs the one-launch reconstruct
+# route: f32 0.212 ms vs 0.313 ([8, K]/1) / 0.360 (the decode tile); bf16 0.142 vs 0.310.
+GDN_REPLAY_ROUTE = Table({ANY: always("output_only")},
+                         source=("gdn_decode_2026-11-29_s5_reconstruct.json",))
+# Fold-pass row slots per expected flushing row. Decode, B = 256, L = 16: B/L slots 0.2015 ms
+# f32 / 0.1349 bf16, 2B/L 0.2019 / 0.1360, 4B/L 0.2067 / 0.1406 (empty programs cost); Mamba2
+# B = 256, L = 8 f32: B/L 0.4420, 2B/L 0.4419. Verify: *untuned*, twice the expected flushing rows.
+FOLD_ROW_SLOTS = Table({"decode": always(1), "verify": always(2)},
+                       source=("gdn_decode_2026-11-29_s7_fold_rows.json",
+                               "untuned for verify: twice the expected flushing rows"))
+
+def for_device(device_kind: str) -> DeviceTables:
+  """The tables of a device kind: CPU, an H200 (any kind naming it), else ``OTHER_GPU``."""
+  if device_kind.lower() == "cpu":
+    return CPU
+  return H200 if "H200" in device_kind else OTHER_GPU
