@@ -24,7 +24,6 @@ import pathlib
 import platform
 import re
 import subprocess
-import sys
 import time
 
 import jax
@@ -43,14 +42,9 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
 _T0 = time.perf_counter()
 
-try:  # tqdm and matplotlib are optional: the table and the JSON never depend on them.
-  import tqdm as _tqdm
-except ImportError:  # pragma: no cover
-  _tqdm = None
-
 
 # ----------------------------------------------------------------------------------------------
-# Logging and progress
+# Logging
 
 def elapsed() -> float:
   """Seconds since this module was imported (≈ since the benchmark started)."""
@@ -58,36 +52,8 @@ def elapsed() -> float:
 
 
 def log(msg: str) -> None:
-  """One progress line on stdout, prefixed by the elapsed time; safe while a tqdm bar is shown."""
-  line = f"[{elapsed():7.1f}s] {msg}"
-  if _tqdm is not None:
-    _tqdm.tqdm.write(line, file=sys.stdout)
-  else:
-    print(line, flush=True)
-  sys.stdout.flush()
-
-
-class _NoBar:
-  def __init__(self, total=None, desc=""):
-    self.n = 0
-
-  def update(self, k=1):
-    self.n += k
-
-  def set_description_str(self, s):
-    pass
-
-  def close(self):
-    pass
-
-
-def progress(total: int, desc: str, force: bool | None = None):
-  """A tqdm bar on stderr (hidden when stderr is not a terminal unless ``force``); a no-op without tqdm."""
-  if _tqdm is None:
-    return _NoBar(total, desc)
-  disable = None if force is None else (not force)
-  return _tqdm.tqdm(total=total, desc=desc, file=sys.stderr, disable=disable, mininterval=1.0,
-                    dynamic_ncols=True, leave=False)
+  """One progress line on stdout, prefixed by the elapsed time."""
+  print(f"[{elapsed():7.1f}s] {msg}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,6 +230,13 @@ def measure_copy_ceiling(total_bytes: int, *, num_buffers: int = 4, passes_per_c
 # ----------------------------------------------------------------------------------------------
 # Random data
 
+def mix32(x):
+  """A 32-bit integer finaliser (xor-shift-multiply): a uint32 array to well-mixed uint32 bits."""
+  x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+  x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
 def hash_uniform(stream: int, shape, lo: float, hi: float):
   """Uniform [lo, hi) float32 from a counter-based integer hash of (stream, flat index).
 
@@ -280,12 +253,8 @@ def hash_uniform(stream: int, shape, lo: float, hi: float):
   # B = 512 Mamba2 pool of 8 layers) do not repeat.
   row = lax.broadcasted_iota(jnp.uint32, (lead, inner), 0)
   col = lax.broadcasted_iota(jnp.uint32, (lead, inner), 1)
-  x = (col * jnp.uint32(0x9E3779B1) + row * jnp.uint32(0xC2B2AE35)
-       + jnp.uint32((stream * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF))
-  for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
-    x = x ^ (x >> shift)
-    if mult is not None:
-      x = x * jnp.uint32(mult)
+  x = mix32(col * jnp.uint32(0x9E3779B1) + row * jnp.uint32(0xC2B2AE35)
+            + jnp.uint32((stream * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF))
   u = (x >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
   return (lo + (hi - lo) * u).reshape(shape)
 

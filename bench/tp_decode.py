@@ -39,14 +39,12 @@ def greedy_run(decode, prefill, cache, prompts, lengths, steps):
   slots = jnp.arange(prompts.shape[0], dtype=jnp.int32)
   logits, cache = prefill(prompts, cache, slots, lengths)
   tok = jnp.argmax(jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0], -1)
-  out, bar = [], common.progress(steps, desc="greedy")
+  out = []
   for _ in range(steps):
     tok = tok.astype(jnp.int32)
     out.append(np.asarray(tok))
     logits, cache = decode(tok, cache, slots)
     tok = jnp.argmax(logits, -1)
-    bar.update(1)
-  bar.close()
   return np.stack(out), cache
 
 
