@@ -13,6 +13,8 @@ Arms (``--arms``): ``conv-pallas`` (rs.gdn.decode, pallas_triton), ``replay-pall
 ``conv-xla``, ``replay-xla`` (route output_only); opt-in ``replay-pallas-auto``, ``replay-xla-rc``,
 and the Pallas Mosaic GPU arms ``conv-mosaic`` / ``replay-mosaic`` (implementation="pallas_mosaic",
 output-only route, flush fold fused; config module defaults) to time Mosaic vs Triton in one run.
+Peer arms (``peer-sglang-replay``, ``peer-sglang-conv``: bench/peer_sglang.py) run SGLang's
+kernels through jax_triton on the same data; a peer that cannot run here is a skipped row.
 XLA arms run only at ``--xla-batches``. ``--configs bv32w2,bv64w4`` adds one row per Pallas launch
 config (calls ``replayssm_jax.pallas.gdn_triton`` with keyword overrides; ``default`` = the config
 module's choice through the public op).
@@ -71,6 +73,7 @@ from replayssm_jax.gdn.buffers import ReplayBuffers
 
 from bench import common
 from bench import harness
+from bench import peer_sglang
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +256,7 @@ BENCH = harness.LayerBench(
         "not_counted": "slot/cursor metadata; the fold pass re-reading the window on flush rows",
     },
     donated_sizes=donated_sizes, make_rings=_make_rings, make_bank=_make_bank, layer=_layer,
-    oracle_output=oracle_output, summary=_summary)
+    oracle_output=oracle_output, summary=_summary, peer_arms=peer_sglang.ARMS)
 
 
 def main(argv=None) -> dict:

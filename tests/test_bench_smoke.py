@@ -4,6 +4,7 @@ Checks the result file's fields, the byte model against hand-computed numbers, t
 cursor checks, and that a wrong kernel fails the gate and gets no speedup.
 """
 import json
+import types
 
 import jax
 import jax.extend
@@ -561,3 +562,184 @@ def test_gdn_breakdown_runs_each_pass():
   rows = gdn_breakdown.main(["--batch", "2", "--buffer-len", "2", "--layers", "1", "--config", "ft2",
                              "--reps", "1", "--rep-seconds", "0.001"])
   assert len(rows) == 5 and all(float(r[1]) > 0 for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Peer arms (bench.peer_*): jax_triton has no CPU path, so their kernels are emulated here in the
+# peers' calling conventions (the semantics their sources document), and the harness gates them
+# against XLA and the float64 oracle exactly as on the GPU. What is checked is ours: input packing
+# and gate conversion, ring layout conversion, cursor marshalling, aliasing indices, scalar types.
+
+_PEER_KERNELS = types.SimpleNamespace(
+    sglang_replay_decode="sglang_replay", sglang_packed_decode="sglang_packed", precompute="vllm_precompute",
+    replay="vllm_replay", update="mamba_ssm_update", config=lambda kernel, dstate, L: (16, 1, 64, 128, 2))
+
+
+def _scatter_rows(a, idx, keep, values):
+  """``a`` with a[idx[b]] = values[b] where keep[b] (other rows dropped)."""
+  return a.at[jnp.where(keep, idx, a.shape[0])].set(values.astype(a.dtype), mode="drop")
+
+
+def _sglang_replay(mixed, a, b, A_log, dt_bias, h0, d, kc, gc, idx, wp, scale, *, H, HV, K, V, L, **_):
+  B, r = mixed.shape[0], HV // H
+  f = lambda x: x.astype(jnp.float32)
+  q, k = f(mixed[:, :H * K]).reshape(B, H, K), f(mixed[:, H * K:2 * H * K]).reshape(B, H, K)
+  v = f(mixed[:, 2 * H * K:]).reshape(B, HV, V)
+  alpha = jnp.exp(-jnp.exp(A_log) * jax.nn.softplus(a + dt_bias))
+  beta = jax.nn.sigmoid(b)
+  live = jnp.arange(L)[None, :] < wp[:, None]                                     # [B, L]
+  g = jnp.where(live[:, None], f(gc[idx]), 0.0)                                    # [B, HV, L]
+  w = jnp.where(live[:, None], jnp.exp(g.sum(-1, keepdims=True) - jnp.cumsum(g, -1)), 0.0)
+  kk = jnp.repeat(f(kc[idx]), r, axis=1)                                           # [B, HV, L, K]
+  S = (jnp.exp(g.sum(-1))[..., None, None] * f(h0[idx])
+       + jnp.einsum("bhj,bhjv,bhjk->bhvk", w, f(d[idx]), kk))
+  kh, qh = jnp.repeat(k, r, axis=1), jnp.repeat(q, r, axis=1) * scale
+  S = alpha[..., None, None] * S
+  u = beta[..., None] * (v - jnp.einsum("bhvk,bhk->bhv", S, kh))
+  o = jnp.einsum("bhvk,bhk->bhv", S, qh) + u * jnp.sum(kh * qh, -1)[..., None]
+  flush = wp == L - 1
+  h0 = _scatter_rows(h0, idx, flush, S + u[..., None] * kh[..., None, :])
+  pos = lambda c: c.at[jnp.where(flush, c.shape[0], idx), :, wp]
+  d = pos(d).set(u.astype(d.dtype), mode="drop")
+  kc = pos(kc).set(k.astype(kc.dtype), mode="drop")
+  gc = pos(gc).set(jnp.log(alpha), mode="drop")
+  return o[:, None].astype(mixed.dtype), h0, d, kc, gc
+
+
+def _sglang_packed(mixed, a, b, A_log, dt_bias, h0, idx, scale, *, H, HV, K, V, **_):
+  B, r = mixed.shape[0], HV // H
+  f = lambda x: x.astype(jnp.float32)
+  q, k = f(mixed[:, :H * K]).reshape(B, H, K), f(mixed[:, H * K:2 * H * K]).reshape(B, H, K)
+  kh, qh = jnp.repeat(k, r, axis=1), jnp.repeat(q, r, axis=1) * scale
+  S = jnp.exp(-jnp.exp(A_log) * jax.nn.softplus(a + dt_bias))[..., None, None] * f(h0[idx])
+  u = jax.nn.sigmoid(b)[..., None] * (f(mixed[:, 2 * H * K:]).reshape(B, HV, V) - jnp.einsum("bhvk,bhk->bhv", S, kh))
+  S = S + u[..., None] * kh[..., None, :]
+  o = jnp.einsum("bhvk,bhk->bhv", S, qh)
+  return o[:, None].astype(mixed.dtype), _scatter_rows(h0, idx, idx >= 0, S)
+
+
+def _vllm_precompute(B, C, Bc, wp, is_flush, idx, *, L, **_):
+  cur = jnp.arange(L)[None, :, None] == wp[:, None, None]                             # [B, L, 1]
+  B_all = jnp.where(cur[:, None], B[:, :, None].astype(jnp.float32), Bc[idx].astype(jnp.float32))
+  return jnp.einsum("bgjn,bgn->bgj", B_all, C.astype(jnp.float32))
+
+
+def _vllm_replay(pool, seed, x, dt, dt_bias, A, B, C, D, z, xc, dtc, Bc, bc, wp, is_flush, idx, *, L, ngroups,
+                 **_):
+  f = lambda t: t.astype(jnp.float32)
+  r = x.shape[1] // ngroups
+  dt_cur = jax.nn.softplus(f(dt) + dt_bias)                                          # [B, H]
+  j = jnp.arange(L)[None, None, :]
+  cur, hist = j == wp[:, None, None], j < wp[:, None, None]                          # [B, 1, L]
+  dt_all = jnp.where(cur, dt_cur[..., None], jnp.where(hist, dtc[idx], 0.0))          # [B, H, L]
+  cum, tot = A[:, None] * jnp.cumsum(dt_all, -1), A * dt_all.sum(-1)
+  scale = jnp.where(cur | hist, dt_all * jnp.exp(tot[..., None] - cum), 0.0)
+  x_all = jnp.where(cur[..., None], f(x)[:, :, None], f(xc[idx]))                     # [B, H, L, P]
+  B_all = jnp.where(cur[..., None], f(B)[:, :, None], f(Bc[idx]))                     # [B, G, L, N]
+  Ch, S0 = jnp.repeat(f(C), r, axis=1), f(pool[idx])
+  flush = is_flush != 0
+  S_new = jnp.exp(tot)[..., None, None] * S0 + jnp.einsum("bhj,bhjp,bhjn->bhpn", scale, x_all,
+                                                           jnp.repeat(B_all, r, axis=1))
+  y_window = (jnp.exp(tot)[..., None] * jnp.einsum("bhpn,bhn->bhp", S0, Ch)
+              + jnp.einsum("bhjp,bhj->bhp", x_all, scale * jnp.repeat(bc, r, axis=1)))
+  y = jnp.where(flush[:, None, None], jnp.einsum("bhpn,bhn->bhp", S_new, Ch), y_window)
+  y = (y + D[:, None] * f(x)) * f(z) * jax.nn.sigmoid(f(z))
+  at = lambda c: c.at[jnp.where(flush, c.shape[0], idx), :, wp]
+  return (y.astype(x.dtype), _scatter_rows(pool, idx, flush, S_new), at(xc).set(x.astype(xc.dtype), mode="drop"),
+          at(dtc).set(dt_cur, mode="drop"), at(Bc).set(B.astype(Bc.dtype), mode="drop"))
+
+
+def _mamba_ssm_update(S, x, dt, dt_bias, A, B, C, D, z, idx, *, ngroups, **_):
+  f = lambda t: t.astype(jnp.float32)
+  r = x.shape[1] // ngroups
+  delta = jax.nn.softplus(f(dt) + dt_bias)
+  St = (jnp.exp(delta * A)[..., None, None] * f(S[idx])
+        + (delta[..., None] * f(x))[..., None] * jnp.repeat(f(B), r, axis=1)[:, :, None, :])
+  y = jnp.einsum("bhpn,bhn->bhp", St, jnp.repeat(f(C), r, axis=1)) + D[:, None] * f(x)
+  return _scatter_rows(S, idx, idx >= 0, St), (y * f(z) * jax.nn.sigmoid(f(z))).astype(x.dtype)
+
+
+_EMULATED = {"sglang_replay": _sglang_replay, "sglang_packed": _sglang_packed, "vllm_precompute": _vllm_precompute,
+             "vllm_replay": _vllm_replay, "mamba_ssm_update": _mamba_ssm_update}
+
+
+def _fake_triton_call(*args, kernel, out_shape, grid, input_output_aliases=None, num_warps=None,
+                      num_stages=None, **meta):
+  """jax_triton.triton_call's contract, checked, around an emulated kernel: aliases index the array
+  arguments only, an aliased output has its input's shape and dtype, float scalars are np.float32
+  (a Python float would reach the kernel as fp64), every grid extent is a positive int."""
+  arrays = [a for a in args if not isinstance(a, (bool, int, float, np.floating))]
+  assert all(isinstance(a, np.float32) for a in args if isinstance(a, (float, np.floating))), args
+  outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
+  for i, j in (input_output_aliases or {}).items():
+    assert (arrays[i].shape, arrays[i].dtype) == (outs[j].shape, outs[j].dtype), (kernel, i, j)
+  assert all(isinstance(g, int) and g > 0 for g in grid), grid
+  got = _EMULATED[kernel](*args, **meta)
+  got = got if isinstance(got, tuple) else (got,)
+  assert [(o.shape, o.dtype) for o in got] == [(o.shape, o.dtype) for o in outs], kernel
+  return list(got) if isinstance(out_shape, (list, tuple)) else got[0]
+
+
+@pytest.fixture
+def emulated_peers(monkeypatch):
+  from bench import peer_common  # noqa: PLC0415
+  monkeypatch.setattr(peer_common.Peer, "kernels", lambda self: _PEER_KERNELS)
+  monkeypatch.setattr(peer_common, "triton_call", _fake_triton_call)
+
+
+@pytest.mark.parametrize("module,arms", [
+    ("gdn_decode", "conv-xla,replay-xla,peer-sglang-conv,peer-sglang-replay"),
+    ("mamba2_decode", "conv-xla,replay-xla,peer-mamba-ssm-conv,peer-vllm-replay")])
+def test_peer_arms_pass_the_gate_through_their_calling_conventions(module, arms, emulated_peers, tmp_path):
+  """Each peer arm, its kernel emulated, runs in the harness: gate vs XLA and the float64 oracle
+  passed (state and live ring entries compared in our layout), cursors advanced, and an "x peer"
+  speed-up on our rows; replay peers run on their own setup (ring base 0)."""
+  import importlib  # noqa: PLC0415
+  out = tmp_path / "peers.json"
+  importlib.import_module(f"bench.{module}").main(["--smoke", "--arms", arms, "--repeat-arm", "none",
+                                                  "--out-json", str(out)])
+  rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == set(arms.split(","))
+  for r in rows.values():
+    assert r["status"] == "ok", (r["arm"], r["error"], r.get("gate"), r.get("checks"))
+    assert r["gate"]["oracle_o_rel"] <= r["gate"]["tol_rel"]
+  peers = [r for r in rows.values() if r["impl"] == "peer"]
+  assert {r["family"] for r in peers} == {"conv", "replay"}
+  replay_peer = next(r for r in peers if r["family"] == "replay")
+  assert replay_peer["ring_layout"] and replay_peer["checks"]["cursor_base_advanced"]
+  assert replay_peer["speedup_vs_peer"] is None and replay_peer["speedup_vs_xla"] is None
+  assert rows["replay-xla"]["speedup_vs_peer_basis"] == replay_peer["arm"]
+  assert rows["conv-xla"]["speedup_vs_peer"] > 0
+
+
+def test_missing_peers_are_skipped_rows(tmp_path):
+  """On CPU (no jax_triton path) every peer arm is a skipped row that says why; the run goes on."""
+  from bench import peer_vllm  # noqa: PLC0415
+  out = tmp_path / "skip.json"
+  peer_vllm.main(["--smoke", "--arms", "conv-xla,peer-vllm-replay,peer-mamba-ssm-conv", "--repeat-arm", "none",
+                  "--out-json", str(out)])
+  data = json.loads(out.read_text())
+  rows = {r["arm"]: r for r in data["rows"]}
+  assert data["meta"]["command"].startswith("python -m bench.peer_vllm")
+  assert rows["conv-xla"]["status"] == "ok"
+  for arm in ("peer-vllm-replay", "peer-mamba-ssm-conv"):
+    assert rows[arm]["status"] == "skipped" and "CUDA" in rows[arm]["error"], rows[arm]
+
+
+def test_vllm_ring_layout_round_trips():
+  """The vLLM arm's buffers are ours in its form (x = Δx / Δ, Δ = ΔA / A): converted back they are
+  ours again, so the gate compares peer and ours on the same history."""
+  from bench import peer_vllm  # noqa: PLC0415
+  from replayssm_jax.mamba2.buffers import ReplayBuffers  # noqa: PLC0415
+  N, H, G, R, P, Ns = 3, 4, 2, 8, 8, 16
+  A = -common.hash_uniform(1, (H,), 1.0, 2.0)
+  ours = ReplayBuffers(state=common.hash_normal(2, (N, H, P, Ns)),
+                       ring_x=(0.05 * common.hash_normal(3, (N, H, R, P))).astype(jnp.bfloat16),
+                       ring_B=common.hash_normal(4, (N, G, R, Ns)).astype(jnp.bfloat16),
+                       ring_a=-common.hash_uniform(5, (N, H, R), 0.01, 0.5))
+  ring = peer_vllm.LAYOUT.from_ours(ours, {"A": A})
+  np.testing.assert_allclose(np.asarray(ring.dt_cache), np.asarray(ours.ring_a / A[None, :, None]), rtol=1e-6)
+  back = peer_vllm.LAYOUT.to_ours(ring, {"A": A})
+  np.testing.assert_allclose(np.asarray(back.ring_a), np.asarray(ours.ring_a), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(back.ring_x, np.float32), np.asarray(ours.ring_x, np.float32), rtol=1e-2)
+  assert back.ring_B is ours.ring_B and back.state is ours.state
