@@ -17,10 +17,9 @@ Protocol (notes/reliability.md §4):
   q, k (GDN) and B, C (Mamba2) ~ N(0, 1), k L2-normalized; activations float32; Mamba2 takes Δ
   directly (``dt_softplus=False``). Every row starts from a zero state.
 * Arms: {replay, conventional} × checkpoint dtype (``--dtypes``) × L (``--buffer-lens``, replay
-  only) × GDN fold mode (``--folds``; used only when ``rs.gdn.ReplayBuffers.create`` accepts a
-  ``fold`` argument, else the library's one mode, recorded as ``default``). The ring dtype is the
-  library default (= checkpoint dtype) unless ``--ring-dtype`` is given. Plus, when the library
-  has ``replay_verify``, a speculative arm per (dtype, L): T = ``--spec-tokens`` tokens per step,
+  only) × GDN fold mode (``--folds``; none given: the library's default, recorded as ``default``).
+  The ring dtype is the library default (= checkpoint dtype) unless ``--ring-dtype`` is given. Plus
+  a speculative arm per (dtype, L): T = ``--spec-tokens`` tokens per step,
   random accepted counts in [1, T], rejected lanes fed junk inputs, ``--spec-steps`` verify steps.
   Each arm is one ``jax.jit`` of a ``lax.fori_loop`` over the steps (public ops inside), run in
   segments between the sample steps; the speculative arm is a jitted step driven from the host.
@@ -50,7 +49,6 @@ what it finished; ``--max-seconds`` stops starting new arms after that much wall
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import pathlib
@@ -117,21 +115,13 @@ SMOKE = {"steps": 256, "rows": 2, "gdn_dims": (1, 2, 16, 16), "mamba2_dims": (2,
 # ----------------------------------------------------------------------------------------------
 # Inputs: a counter-based hash, so step t of row b is the same wherever it is generated.
 
-def _mix(x):
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
 def _bits(seed: int, stream: int, pos, shape):
   """uint32 [rows, *shape] from (seed, stream, row, pos[row], flat index); pos: int32[rows]."""
   rows, n = pos.shape[0], math.prod(shape)
-  x = _mix(pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+  x = common.mix32(pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
            + jnp.uint32((seed * 0x632BE5AB + stream * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF))
-  x = _mix(x[:, None] + lax.broadcasted_iota(jnp.uint32, (rows, 1), 0) * jnp.uint32(0xC2B2AE3D))
-  x = _mix(x + lax.broadcasted_iota(jnp.uint32, (rows, n), 1) * jnp.uint32(0x27D4EB2F))
+  x = common.mix32(x[:, None] + lax.broadcasted_iota(jnp.uint32, (rows, 1), 0) * jnp.uint32(0xC2B2AE3D))
+  x = common.mix32(x + lax.broadcasted_iota(jnp.uint32, (rows, n), 1) * jnp.uint32(0x27D4EB2F))
   return x.reshape((rows,) + tuple(shape))
 
 
@@ -154,17 +144,9 @@ def _between(u, lo, hi):
 # ----------------------------------------------------------------------------------------------
 # Families: inputs, the float64 reference, and the arms' step functions (public ops only).
 
-def _create_kwargs(buffers_cls, fold):
-  """{"fold": fold} when ``ReplayBuffers.create`` takes a fold argument, else {}."""
-  if fold in (None, "default"):
-    return {}
-  return {"fold": fold} if "fold" in inspect.signature(buffers_cls.create).parameters else {}
-
-
 def fold_modes(opts: Options) -> tuple:
-  """GDN fold modes to run: ``opts.folds`` if the library has them, else ("default",)."""
-  params = inspect.signature(rs.gdn.ReplayBuffers.create).parameters
-  return tuple(opts.folds) if ("fold" in params and opts.folds) else ("default",)
+  """GDN fold modes to run: ``opts.folds``, or ("default",) (the library's) if none are given."""
+  return tuple(opts.folds) or ("default",)
 
 
 class Gdn:
@@ -229,7 +211,7 @@ class Gdn:
     return rs.gdn.ReplayBuffers.create(
         self.rows, cursor, num_k_heads=self.hk, num_v_heads=self.hv, head_k_dim=self.kd,
         head_v_dim=self.vd, state_dtype=dtype, ring_dtype=self.ring_dtype,
-        **_create_kwargs(rs.gdn.ReplayBuffers, fold))
+        **({} if fold in (None, "default") else {"fold": fold}))
 
   def replay_step(self, bufs, x, plan):
     return rs.gdn.replay_decode(*x, bufs, plan, implementation=self.impl)
@@ -239,8 +221,6 @@ class Gdn:
 
   def materialize(self, bufs, cursor, slots):
     return rs.gdn.materialize(bufs, cursor, slots)
-
-  has_verify = property(lambda self: hasattr(rs.gdn, "replay_verify"))
 
 
 class Mamba2:
@@ -301,7 +281,7 @@ class Mamba2:
   def buffers(self, cursor, dtype, fold):
     return rs.mamba2.ReplayBuffers.create(
         self.rows, cursor, num_heads=self.h, head_dim=self.p, num_groups=self.g, state_dim=self.n,
-        state_dtype=dtype, ring_dtype=self.ring_dtype, **_create_kwargs(rs.mamba2.ReplayBuffers, fold))
+        state_dtype=dtype, ring_dtype=self.ring_dtype)   # Mamba2 has one fold
 
   def replay_step(self, bufs, xs, plan):
     return rs.mamba2.replay_decode(*xs, bufs, plan, dt_softplus=False, implementation=self.impl)
@@ -311,8 +291,6 @@ class Mamba2:
 
   def materialize(self, bufs, cursor, slots):
     return rs.mamba2.materialize(bufs, cursor, slots)
-
-  has_verify = property(lambda self: hasattr(rs.mamba2, "replay_verify"))
 
 
 def family(name, opts):
@@ -397,7 +375,6 @@ def _out_zeros(fam, prm):
 
 def run_arm(fam, kind, dtype, L, fold, prm, ref, samples, program_cache):
   """Errors of one arm at the sample steps (a dict of lists)."""
-  key = (kind, dtype, L, fold)
   if kind not in program_cache:
     program_cache[kind] = _segment_program(fam, kind)
   prog = program_cache[kind]
@@ -417,7 +394,6 @@ def run_arm(fam, kind, dtype, L, fold, prm, ref, samples, program_cache):
     series["o_err"].append(rel_rms(o, o_ref))
     series["state_err"].append(rel_rms(S, S_ref))
   series["wall_s"] = time.perf_counter() - t_start
-  del key
   return series
 
 
@@ -596,7 +572,7 @@ def model_check(opts: Options, dtypes) -> dict:
   """Greedy tokens of the tiny model: replay vs conventional decode, per checkpoint dtype."""
   from flax import nnx
 
-  cfg = rs.models.LMConfig.tiny_hybrid() if hasattr(rs.models.LMConfig, "tiny_hybrid") else rs.models.LMConfig.tiny()
+  cfg = rs.models.LMConfig.tiny_hybrid()
   model = rs.models.make_model(cfg, opts.seed)
   graphdef, params = nnx.split(model)
   rows, n = opts.model_rows, opts.model_tokens
@@ -671,9 +647,7 @@ def study(opts: Options, *, out_json=None, meta=None, log=common.log) -> dict:
              "from Student's t; per 1000 steps / per 1000 flushes (= per 1000 steps x L); "
              "verdict 'flat' when the interval contains 0",
       "fold_modes": list(folds),
-      "fold_supported": folds != ("default",),
-      "spec": {"supported": {f: family(f, opts).has_verify for f in opts.families},
-               "tokens": opts.spec_tokens, "steps": opts.spec_steps},
+      "spec": {"tokens": opts.spec_tokens, "steps": opts.spec_steps},
       "samples": {"steps": samples, "flush_steps": flush_samples, "lcm_buffer_len": lcm},
       "series": [],
       "skipped": [],
@@ -723,7 +697,7 @@ def study(opts: Options, *, out_json=None, meta=None, log=common.log) -> dict:
         result["series"].append(s)
         _log_series(log, s)
         save()
-      if fam.has_verify and opts.spec_steps > 0:
+      if opts.spec_steps > 0:
         spec_folds = (opts.spec_folds or folds) if fname == "gdn" else ("default",)
         for fold in spec_folds:
           for dt in opts.spec_dtypes or opts.dtypes:
