@@ -18,12 +18,14 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import json
 import math
 import os
 import pathlib
 import platform
 import re
 import subprocess
+import sys
 import time
 
 import jax
@@ -106,8 +108,9 @@ def nvidia_smi() -> dict | None:
   return dict(zip(fields.split(","), (x.strip() for x in first.split(","))))
 
 
-def run_metadata(argv: list[str], module: str, *, git_commit_override: str | None = None) -> dict:
-  """Everything needed to reproduce and place a run."""
+def run_metadata(argv: list[str] | None, module: str, *, git_commit_override: str | None = None) -> dict:
+  """Everything needed to reproduce and place a run (``argv`` None: this process's arguments)."""
+  argv = list(sys.argv[1:] if argv is None else argv)
   dev = jax.devices()[0]
   import jaxlib  # noqa: PLC0415
   return {
@@ -158,6 +161,13 @@ class LoopTiming:
 
   def per_cycle(self) -> list:
     return [t / self.n_cycles for t in self.times_s]
+
+  def ms_per(self, units: float) -> dict:
+    """Milliseconds per unit of work, a cycle being ``units`` units (layer-steps, steps): each timed
+    call's (``ms``), their median, p20 and p80, and the cycles per call."""
+    ms = [1e3 * t / units for t in self.per_cycle()]
+    med, p20, p80 = quantiles(ms)
+    return {"ms": ms, "median_ms": med, "p20_ms": p20, "p80_ms": p80, "n_cycles": self.n_cycles}
 
 
 def time_loop(call, carry, *, reps: int, rep_seconds: float, max_cycles: int = 1 << 20):
@@ -402,6 +412,14 @@ def to_jsonable(x):
   return x
 
 
+def write_json(path, result) -> pathlib.Path:
+  """``result`` as indented JSON (``to_jsonable``) at ``path``, its folder made if needed."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(to_jsonable(result), indent=1))
+  return path
+
+
 def fmt_float(x, spec: str, missing: str = "-") -> str:
   return missing if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
@@ -412,7 +430,7 @@ def itemsize(dtype) -> int:
 
 
 # The benchmarks unroll their layers in the compiled step (a loop over them costs a fixed ~7.5 µs
-# per layer-step on the H200, bench/NOTES.md 53), so P bounds the compile time. At B = 1 the
+# per layer-step on the H200), so P bounds the compile time. At B = 1 the
 # 128 layers still touch 128 MB (GDN bf16) to 512 MB (Mamba2 f32) per step, 2-8x the 60 MB L2.
 MAX_UNROLLED_LAYERS = 128
 

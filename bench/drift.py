@@ -657,9 +657,7 @@ def study(opts: Options, *, out_json=None, meta=None, log=common.log) -> dict:
   def save():
     result["elapsed_s"] = time.perf_counter() - t_begin
     if out_json:
-      path = pathlib.Path(out_json)
-      path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_text(json.dumps(common.to_jsonable(result), indent=1))
+      common.write_json(out_json, result)
 
   def out_of_time():
     return opts.max_seconds is not None and time.perf_counter() - t_begin > opts.max_seconds

@@ -30,7 +30,7 @@ bench/harness.py, shared with bench/mamba2_decode.py):
 * Steps. One ``jax.jit`` runs ``n`` cycles (a dynamic ``fori_loop``) of ``L`` steps (a
   ``fori_loop``; conventional arms use ``--conv-cycle`` steps) of P layers, unrolled, with every
   layer's slots and inputs made once per call outside the loops: a layer-step is its kernels alone
-  (a loop over the layers cost ~7.5 µs per layer-step, bench/NOTES.md 53), and dispatch and the
+  (a loop over the layers cost ~7.5 µs per layer-step on the H200), and dispatch and the
   loops' host round trips are amortized. Buffers, cursor and the last output are the donated carry,
   threaded from call to call. Replay: one ``cursor.plan(slots)`` per step shared by all layers,
   ``cursor.commit(plan)`` after: honest full cycles, every row flushes once per L steps.

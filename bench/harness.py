@@ -7,6 +7,12 @@ count P, the timed program (``make_runner``) and the gate (``make_gate``), one c
 (``run_case``), planning (``plan_groups``), one (state dtype, batch) group of programs compiled
 together (``run_group``), derived numbers, the table, markdown, plot and the CLI. The method is
 described in bench/gdn_decode.py's docstring.
+
+Peer arms (``Arm.peer``, bench/peer_common.py) are other projects' kernels called through
+jax_triton in the same programs: their inputs are put in the peer's calling convention once per
+timed call (``layer_op``'s ``prepare``), and a peer that keeps replay buffers its own way gets its
+own ``Setup.layout`` (the same data converted; cursors at ring base 0), its gate reading the
+buffers back in our layout.
 """
 import argparse
 import dataclasses
@@ -459,11 +465,9 @@ def run_case(bench: LayerBench, case: Case, runner, gate_fn, ref_gate_fn, args, 
   row["checks"] = _post_checks(case, carry, host, timing.cycles_run)
   del carry, consts
   units = setup.cycle_steps * setup.layers  # layer-steps per cycle
-  ms = [t / units * 1e3 for t in timing.per_cycle()]
-  med, p20, p80 = common.quantiles(ms)
-  row.update(ms_per_layer_step=ms, median_ms=med, p20_ms=p20, p80_ms=p80, n_cycles=timing.n_cycles,
-             layer_steps_per_call=timing.n_cycles * units, warmup_s=timing.warmup_s,
-             calib_s=timing.calib_s)
+  summary = timing.ms_per(units)
+  row.update(ms_per_layer_step=summary.pop("ms"), **summary, layer_steps_per_call=timing.n_cycles * units,
+             warmup_s=timing.warmup_s, calib_s=timing.calib_s)
   ok_checks = all(row["checks"].values())
   row["status"] = "ok" if (passed and ok_checks) else ("gate-failed" if not passed else "check-failed")
   return row
@@ -1051,9 +1055,8 @@ def main(bench: LayerBench, argv=None) -> dict:
   meta["elapsed_s"] = common.elapsed()
   result = {"meta": meta, "ceiling": {"gbps": ceiling, "runs": ceil_runs},
             "bytes_model": bench.bytes_model_doc, "rows": sorted(rows, key=_sort_key)}
-  out = pathlib.Path(args.out_json or (common.BENCH_DIR / "results" / f"{bench.name}_{common.timestamp()}.json"))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(common.to_jsonable(result), indent=1))
+  out = common.write_json(args.out_json or (common.BENCH_DIR / "results" / f"{bench.name}_{common.timestamp()}.json"),
+                          result)
   print(f"json: {out}")
   _write_reports(bench, args, meta, [ceiling], rows)
   n_fail = sum(r["status"] not in ("ok", "skipped") for r in rows)

@@ -137,6 +137,8 @@ class Peer:
       self.kernels()
     except PeerUnavailable as e:
       return f"peer {self.name} unavailable: {e}"
+    except Exception as e:  # noqa: BLE001  (a peer that breaks while loading costs its arm, not the run)
+      return f"peer {self.name} failed to load: {type(e).__name__}: {e}"
     return None
 
 
