@@ -149,8 +149,46 @@ def fold_modes(opts: Options) -> tuple:
   return tuple(opts.folds) or ("default",)
 
 
-class Gdn:
+class _Family:
+  """What both families' arms share: the public ops of ``self.ops`` (rs.gdn or rs.mamba2) on a
+  state of ``self.state_shape`` per row, called with ``self.op_kwargs``."""
+  ops = None
+  op_kwargs: dict = {}
+  state_shape: tuple = ()
+
+  def ref_init(self):
+    return np.zeros((self.rows,) + self.state_shape)
+
+  @staticmethod
+  def _update(S, St, mask):
+    """S ← St in place (only the rows where ``mask``, if given)."""
+    if mask is None:
+      S[...] = St
+    else:
+      S[mask] = St[mask]
+
+  def conv_init(self, dtype):
+    return jnp.zeros((self.rows,) + self.state_shape, dtype)
+
+  def conv_step(self, pool, x, slots):
+    return self.ops.decode(*x, pool, slots, **self.op_kwargs, implementation=self.impl)
+
+  def conv_read(self, pool, slots):
+    return pool.astype(f32)
+
+  def replay_step(self, bufs, x, plan):
+    return self.ops.replay_decode(*x, bufs, plan, **self.op_kwargs, implementation=self.impl)
+
+  def verify_step(self, bufs, x, plan):
+    return self.ops.replay_verify(*x, bufs, plan, **self.op_kwargs, implementation=self.impl)
+
+  def materialize(self, bufs, cursor, slots):
+    return self.ops.materialize(bufs, cursor, slots)
+
+
+class Gdn(_Family):
   name = "gdn"
+  ops = rs.gdn
   shared = ()        # input positions that are per-head parameters, not per-row data
   out_like = 2       # the output has the shape of input 2 (v)
 
@@ -159,6 +197,7 @@ class Gdn:
     self.rows, self.seed, self.impl = opts.rows, opts.seed, opts.implementation
     self.ring_dtype = opts.ring_dtype
     self.scale = self.kd ** -0.5
+    self.state_shape = (self.hv, self.vd, self.kd)
 
   def regime(self, name):
     """[g log-magnitude lo, hi, beta lo, hi, v scale] as a float32 array (traced: one program)."""
@@ -177,10 +216,6 @@ class Gdn:
     beta = _between(_uniform(s, 7, pos, (self.hv,)), prm[2], prm[3])
     return q, k, v, g, beta
 
-  # float64 reference
-  def ref_init(self):
-    return np.zeros((self.rows, self.hv, self.vd, self.kd))
-
   def ref_step(self, S, x, mask=None):
     """One exact step in float64 (in place on S); mask [rows] keeps masked-off rows unchanged."""
     q, k, v, g, beta = x
@@ -189,23 +224,8 @@ class Gdn:
     St = S * np.exp(g)[..., None, None]
     u = beta[..., None] * (v - np.matmul(St, kh[..., None])[..., 0])
     St += u[..., :, None] * kh[..., None, :]
-    o = np.matmul(St, qh[..., None])[..., 0]
-    if mask is None:
-      S[...] = St
-    else:
-      S[mask] = St[mask]
-    return o
-
-  # arms
-  def conv_init(self, dtype):
-    return jnp.zeros((self.rows, self.hv, self.vd, self.kd), dtype)
-
-  def conv_step(self, pool, x, slots):
-    o, pool = rs.gdn.decode(*x, pool, slots, implementation=self.impl)
-    return o, pool
-
-  def conv_read(self, pool, slots):
-    return pool.astype(f32)
+    self._update(S, St, mask)
+    return np.matmul(St, qh[..., None])[..., 0]
 
   def buffers(self, cursor, dtype, fold):
     return rs.gdn.ReplayBuffers.create(
@@ -213,18 +233,11 @@ class Gdn:
         head_v_dim=self.vd, state_dtype=dtype, ring_dtype=self.ring_dtype,
         **({} if fold in (None, "default") else {"fold": fold}))
 
-  def replay_step(self, bufs, x, plan):
-    return rs.gdn.replay_decode(*x, bufs, plan, implementation=self.impl)
 
-  def verify_step(self, bufs, x, plan):
-    return rs.gdn.replay_verify(*x, bufs, plan, implementation=self.impl)
-
-  def materialize(self, bufs, cursor, slots):
-    return rs.gdn.materialize(bufs, cursor, slots)
-
-
-class Mamba2:
+class Mamba2(_Family):
   name = "mamba2"
+  ops = rs.mamba2
+  op_kwargs = {"dt_softplus": False}   # the inputs are Δ itself
   shared = (2,)      # A [H]
   out_like = 0       # y has the shape of x
 
@@ -232,6 +245,7 @@ class Mamba2:
     self.h, self.p, self.g, self.n = opts.mamba2_dims
     self.rows, self.seed, self.impl = opts.rows, opts.seed, opts.implementation
     self.ring_dtype = opts.ring_dtype
+    self.state_shape = (self.h, self.p, self.n)
 
   def regime(self, name):
     """[Δ log lo, hi, x scale, A_0 … A_{H-1}] as a float32 array."""
@@ -253,44 +267,18 @@ class Mamba2:
     C = _normal(s, 7, pos, (self.g, self.n))
     return x, dt, prm[3:3 + self.h], B, C
 
-  def ref_init(self):
-    return np.zeros((self.rows, self.h, self.p, self.n))
-
   def ref_step(self, S, xs, mask=None):
     x, dt, A, B, C = xs
     r = self.h // self.g
     Bh, Ch = np.repeat(B, r, axis=1), np.repeat(C, r, axis=1)
     St = S * np.exp(dt * A)[..., None, None] + (dt[..., None] * x)[..., :, None] * Bh[..., None, :]
-    y = np.matmul(St, Ch[..., None])[..., 0]
-    if mask is None:
-      S[...] = St
-    else:
-      S[mask] = St[mask]
-    return y
-
-  def conv_init(self, dtype):
-    return jnp.zeros((self.rows, self.h, self.p, self.n), dtype)
-
-  def conv_step(self, pool, xs, slots):
-    y, pool = rs.mamba2.decode(*xs, pool, slots, dt_softplus=False, implementation=self.impl)
-    return y, pool
-
-  def conv_read(self, pool, slots):
-    return pool.astype(f32)
+    self._update(S, St, mask)
+    return np.matmul(St, Ch[..., None])[..., 0]
 
   def buffers(self, cursor, dtype, fold):
     return rs.mamba2.ReplayBuffers.create(
         self.rows, cursor, num_heads=self.h, head_dim=self.p, num_groups=self.g, state_dim=self.n,
         state_dtype=dtype, ring_dtype=self.ring_dtype)   # Mamba2 has one fold
-
-  def replay_step(self, bufs, xs, plan):
-    return rs.mamba2.replay_decode(*xs, bufs, plan, dt_softplus=False, implementation=self.impl)
-
-  def verify_step(self, bufs, xs, plan):
-    return rs.mamba2.replay_verify(*xs, bufs, plan, dt_softplus=False, implementation=self.impl)
-
-  def materialize(self, bufs, cursor, slots):
-    return rs.mamba2.materialize(bufs, cursor, slots)
 
 
 def family(name, opts):
