@@ -10,7 +10,7 @@ bf16 (``--ring-dtype``), state float32 and/or bfloat16 (``--state-dtypes``).
 
 Arms (``--arms``): ``conv-pallas`` (rs.gdn.decode, pallas_triton), ``replay-pallas-oo`` /
 ``replay-pallas-rc`` (rs.gdn.replay_decode, pallas_triton, route output_only / reconstruct),
-``conv-xla``, ``replay-xla`` (route output_only); opt-in ``replay-pallas-auto``, ``replay-xla-rc``,
+``conv-xla``, ``replay-xla`` (route output_only); opt-in ``replay-xla-rc``,
 and the Pallas Mosaic GPU arms ``conv-mosaic`` / ``replay-mosaic`` (implementation="pallas_mosaic",
 output-only route, flush fold fused; config module defaults) to time Mosaic vs Triton in one run.
 Peer arms (``peer-sglang-replay``, ``peer-sglang-conv``: bench/peer_sglang.py) run SGLang's

@@ -60,7 +60,6 @@ ARMS = {a.name: a for a in (
     Arm("replay-pallas-rc", "replay", "pallas_triton", "reconstruct"),
     Arm("conv-xla", "conv", "xla"),
     Arm("replay-xla", "replay", "xla", "output_only"),
-    Arm("replay-pallas-auto", "replay", "pallas_triton", "auto"),
     Arm("replay-xla-rc", "replay", "xla", "reconstruct"),
     Arm("conv-mosaic", "conv", "pallas_mosaic"),
     Arm("replay-mosaic", "replay", "pallas_mosaic", "output_only"),
@@ -396,6 +395,9 @@ def f64(x):
   return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
 
 
+ORACLE_ROWS = 4   # batch rows the gate checks against the float64 oracle
+
+
 def gate_tolerance(setup: Setup) -> float:
   """Relative L2 tolerance set by the coarsest dtype involved (bf16 ≈ 4e-3 per rounding): far below
   what a wrong index, phase or missed write gives (O(1)), above TF32 (≈ 5e-4)."""
@@ -443,7 +445,7 @@ def run_case(bench: LayerBench, case: Case, runner, gate_fn, ref_gate_fn, args, 
     o, rows = gate_fn(carry, consts)
   o_abs, o_rel, o_fin = (float(x) for x in _compare(o, ref_o))
   s_abs, s_rel, s_fin = (float(x) for x in _compare(rows, ref_rows))
-  m = min(setup.batch, args.oracle_rows)
+  m = min(setup.batch, ORACLE_ROWS)
   view = carry if setup.family == "conv" else (ours(setup, carry[0], consts[1]),) + carry[1:]
   want = bench.oracle_output(setup, view, consts, host, m)
   del view
@@ -607,7 +609,7 @@ def run_group(bench: LayerBench, sdt, B, cases, args) -> list[dict]:
       return errors[key], 0.0
     return compiled.get(key, (None, 0.0))
 
-  tol = lambda case: args.gate_tol or gate_tolerance(case.setup)
+  tol = lambda case: gate_tolerance(case.setup)
   runners = {}
   for case in cases:
     row = _row_skeleton(bench, case)
@@ -899,8 +901,6 @@ def parse_args(bench: LayerBench, argv):
                       "has 24 GDN layers); the per-step cursor work is spread over them")
   p.add_argument("--bank", type=int, default=8, help="random input sets cycled through")
   p.add_argument("--conv-cycle", type=int, default=16, help="steps per cycle of the conventional arms")
-  p.add_argument("--oracle-rows", type=int, default=4, help="rows checked against the float64 oracle")
-  p.add_argument("--gate-tol", type=float, default=None, help="relative tolerance (default by dtype)")
   p.add_argument("--copy-bytes", type=float, default=float(2 << 30), help="copy-ceiling buffer bytes")
   p.add_argument("--compile-workers", type=int, default=None,
                  help="parallel XLA compilations (default 8 on GPU, min(4, CPUs) elsewhere)")
@@ -911,7 +911,6 @@ def parse_args(bench: LayerBench, argv):
   p.add_argument("--results-md", type=pathlib.Path, default=common.BENCH_DIR / "RESULTS.md")
   p.add_argument("--plot", nargs="?", const="auto", default=None, type=str,
                  help=f"write a PNG (default path bench/{bench.name}_<date>.png)")
-  p.add_argument("--plot-L", type=int, default=bench.plot_L)
   p.add_argument("--from-json", type=pathlib.Path, nargs="+", default=None,
                  help="re-render table/markdown/plot from saved result files (no device work)")
   p.add_argument("--git-commit", default=None, help="commit to record where the checkout has no .git")
@@ -957,7 +956,7 @@ def _write_reports(bench: LayerBench, args, meta: dict, ceilings: list, rows: li
     print(f"markdown: appended to {args.results_md}")
   if args.plot:
     path = (common.BENCH_DIR / f"{bench.name}_{common.timestamp()}.png") if args.plot == "auto" else args.plot
-    if plot(rows, ceilings, path, f"{bench.title}, {meta.get('device_kind')}, {meta.get('date')}", args.plot_L):
+    if plot(rows, ceilings, path, f"{bench.title}, {meta.get('device_kind')}, {meta.get('date')}", bench.plot_L):
       print(f"plot: {path}")
 
 
