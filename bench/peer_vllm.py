@@ -13,7 +13,8 @@ window's k_j·q per group into a [B, G, L] float32 scratch, 2 warps, grid (B, G)
 window; flush rows: the state rebuilt with a ``tl.dot`` in tf32x3 and written), with the launch
 config vLLM's own ``get_replayssm_config`` returns for this device (on Hopper: 16 rows of P per
 program, 1 warp, N tiles 64 / 128, 2 stages). ``write_pos`` = our cursor's count, ``is_flush`` =
-our plan's flush flag; padding rows are slot -1 (its ``null_block_id``, a kernel argument).
+our plan's flush flag; padding rows are slot -1 (its ``null_block_id``, a kernel argument; it
+leaves their output unwritten where ours writes zeros: the benchmark has no padding rows).
 
 Its ring holds the raw step inputs — x [slots, H, L, P] (activation dtype), Δ [slots, H, L]
 float32, B [slots, G, L, N] — where ours holds Δ·x and Δ·A: the setup's buffers are ours converted
