@@ -906,7 +906,7 @@ def parse_args(bench: LayerBench, argv):
                  help="parallel XLA compilations (default 8 on GPU, min(4, CPUs) elsewhere)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out-json", type=pathlib.Path, default=None,
-                 help=f"default bench/results/{bench.name}_<date>.json")
+                 help=f"default bench/results/{bench.name}_<date>.json; rewritten after every group")
   p.add_argument("--markdown", action="store_true", help="append a section to --results-md")
   p.add_argument("--results-md", type=pathlib.Path, default=common.BENCH_DIR / "RESULTS.md")
   p.add_argument("--plot", nargs="?", const="auto", default=None, type=str,
@@ -1039,6 +1039,17 @@ def main(bench: LayerBench, argv=None) -> dict:
   total = sum(len(c) for _, _, c, _ in groups) + sum(
       1 for _, _, c, _ in groups if any(x.label == args.repeat_arm for x in c))
   common.log(f"{total} timed rows in {len(groups)} groups (state dtype x batch)")
+  out = pathlib.Path(args.out_json or (common.BENCH_DIR / "results" / f"{bench.name}_{common.timestamp()}.json"))
+
+  def save(rows, ceiling):
+    """The result file, rewritten after every group: a run cut short keeps what it measured."""
+    derive(rows, ceiling)
+    meta["elapsed_s"] = common.elapsed()
+    result = {"meta": meta, "ceiling": {"gbps": ceiling, "runs": ceil_runs},
+              "bytes_model": bench.bytes_model_doc, "rows": sorted(rows, key=_sort_key)}
+    common.write_json(out, result)
+    return result
+
   rows = []
   for sdt, B, cases, skipped in groups:
     rows += skipped
@@ -1046,16 +1057,12 @@ def main(bench: LayerBench, argv=None) -> dict:
       _log_row(r)
     if cases:
       rows += run_group(bench, sdt, B, cases, args)
+    save(rows, ceil_runs[0]["gbps"])
 
   ceil_runs.append(measure(1))
   ceiling = max(c["gbps"] for c in ceil_runs)
   common.log(f"copy ceiling at the end: {ceil_runs[1]['gbps']:.0f} GB/s; using {ceiling:.0f} GB/s")
-  derive(rows, ceiling)
-  meta["elapsed_s"] = common.elapsed()
-  result = {"meta": meta, "ceiling": {"gbps": ceiling, "runs": ceil_runs},
-            "bytes_model": bench.bytes_model_doc, "rows": sorted(rows, key=_sort_key)}
-  out = common.write_json(args.out_json or (common.BENCH_DIR / "results" / f"{bench.name}_{common.timestamp()}.json"),
-                          result)
+  result = save(rows, ceiling)
   print(f"json: {out}")
   _write_reports(bench, args, meta, [ceiling], rows)
   n_fail = sum(r["status"] not in ("ok", "skipped") for r in rows)
