@@ -157,6 +157,11 @@ class RingLayout:
   to_ours: Callable = lambda bufs, params: bufs
 
 
+def pow2(n: int) -> int:
+  """The smallest power of two >= n (Triton's next_power_of_2, which the peers' launchers use)."""
+  return 1 << (int(n) - 1).bit_length()
+
+
 def require_ring_is_buffer_len(case) -> None:
   """Peers keep a ring of exactly L entries; ours has ring size next_pow2(L)."""
   if case.setup.ring_size != case.setup.buffer_len:

@@ -47,7 +47,7 @@ def _step(kernels, case, inputs, params, pool, slots):
       pool, x, dt, params["dt_bias"], params["A"], B, C, params["D"], z, slots, kernel=kernels.update,
       out_shape=[pool, jax.ShapeDtypeStruct(x.shape, x.dtype)], grid=(-(-P // block_m), batch, H),
       input_output_aliases={0: 0}, num_warps=warps, batch=batch, nheads=H, dim=P, dstate=N, ngroups=G,
-      BLOCK_SIZE_M=block_m, BLOCK_SIZE_DSTATE=1 << (N - 1).bit_length())
+      BLOCK_SIZE_M=block_m, BLOCK_SIZE_DSTATE=peer_common.pow2(N))
   return y, pool
 
 

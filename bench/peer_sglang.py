@@ -63,10 +63,6 @@ def _prepare(kernels, case, inputs, params):
   return mixed_qkv, a, b, zeros, zeros
 
 
-def _pow2(n: int) -> int:
-  return 1 << (int(n) - 1).bit_length()
-
-
 def _geometry(case, mixed_qkv):
   geo = case.setup.geo
   return geo.hk, geo.hv, geo.kd, geo.vd, mixed_qkv.shape[0]
@@ -78,7 +74,7 @@ def _replay_step(kernels, case, prepared, params, bufs, plan):
   mixed_qkv, a, b, A_log, dt_bias = prepared
   H, HV, K, V, B = _geometry(case, mixed_qkv)
   L = case.setup.buffer_len
-  BK, BV, nk = _pow2(K), min(_pow2(V), 64), 2
+  BK, BV, nk = peer_common.pow2(K), min(peer_common.pow2(V), 64), 2
   out_shape = [jax.ShapeDtypeStruct((B, 1, HV, V), mixed_qkv.dtype), bufs.state, bufs.ring_u, bufs.ring_k,
                bufs.ring_g]
   o, state, ring_u, ring_k, ring_g = peer_common.triton_call(
@@ -87,7 +83,7 @@ def _replay_step(kernels, case, prepared, params, bufs, plan):
       kernel=kernels.sglang_replay_decode, out_shape=out_shape, grid=(-(-V // BV), B, HV),
       input_output_aliases={5: 1, 6: 2, 7: 3, 8: 4}, num_warps=1, num_stages=3,
       STRIDE_QKV=mixed_qkv.shape[1], STRIDE_A=HV, STRIDE_B=HV, STRIDE_STATE=HV * V * K, H=H, HV=HV, K=K,
-      V=V, BK=BK, BV=BV, BC=max(16, _pow2(L)), NK=nk, BKT=BK // nk, L=L)
+      V=V, BK=BK, BV=BV, BC=max(16, peer_common.pow2(L)), NK=nk, BKT=BK // nk, L=L)
   return o.reshape(B, HV, V), bufs.replace(state=state, ring_u=ring_u, ring_k=ring_k, ring_g=ring_g)
 
 
@@ -95,13 +91,13 @@ def _conv_step(kernels, case, prepared, params, pool, slots):
   """One step of SGLang's packed decode: (o [B, Hv, V], pool)."""
   mixed_qkv, a, b, A_log, dt_bias = prepared
   H, HV, K, V, B = _geometry(case, mixed_qkv)
-  BV = min(_pow2(V), 32)
+  BV = min(peer_common.pow2(V), 32)
   o, pool = peer_common.triton_call(
       mixed_qkv, a, b, A_log, dt_bias, pool, slots, np.float32(K ** -0.5),
       kernel=kernels.sglang_packed_decode, out_shape=[jax.ShapeDtypeStruct((B, 1, HV, V), mixed_qkv.dtype), pool],
       grid=(-(-V // BV), B * HV), input_output_aliases={5: 1}, num_warps=1, num_stages=3,
       STRIDE_QKV=mixed_qkv.shape[1], STRIDE_A=HV, STRIDE_B=HV, STRIDE_STATE=HV * V * K, H=H, HV=HV, K=K,
-      V=V, BK=_pow2(K), BV=BV)
+      V=V, BK=peer_common.pow2(K), BV=BV)
   return o.reshape(B, HV, V), pool
 
 

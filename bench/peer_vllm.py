@@ -90,10 +90,6 @@ def _load():
                                config=config.get_replayssm_config)
 
 
-def _pow2(n: int) -> int:
-  return 1 << (int(n) - 1).bit_length()
-
-
 def _prepare(kernels, case, inputs, params):
   return inputs   # x, dt, B, C, z as the kernel takes them
 
@@ -106,7 +102,7 @@ def _step(kernels, case, inputs, params, ring, plan):
   G, N = B.shape[1:]
   L = case.setup.buffer_len
   block_m, warps, nf_tile, fl_tile, stages = kernels.config("mamba2_output_only", dstate=N, L=L)
-  bs_n, k_cache = _pow2(N), max(1, _pow2(L))
+  bs_n, k_cache = peer_common.pow2(N), max(1, peer_common.pow2(L))
   nf, fl = max(16, min(nf_tile, bs_n)), max(16, min(fl_tile, bs_n))
   write_pos, is_flush = plan.count, plan.flush.astype(jnp.int8)
   bc_pre = peer_common.triton_call(
