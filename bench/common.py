@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import json
 import math
 import os
 import pathlib
@@ -43,14 +44,9 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
 _T0 = time.perf_counter()
 
-try:  # tqdm and matplotlib are optional: the table and the JSON never depend on them.
-  import tqdm as _tqdm
-except ImportError:  # pragma: no cover
-  _tqdm = None
-
 
 # ----------------------------------------------------------------------------------------------
-# Logging and progress
+# Logging
 
 def elapsed() -> float:
   """Seconds since this module was imported (≈ since the benchmark started)."""
@@ -58,36 +54,8 @@ def elapsed() -> float:
 
 
 def log(msg: str) -> None:
-  """One progress line on stdout, prefixed by the elapsed time; safe while a tqdm bar is shown."""
-  line = f"[{elapsed():7.1f}s] {msg}"
-  if _tqdm is not None:
-    _tqdm.tqdm.write(line, file=sys.stdout)
-  else:
-    print(line, flush=True)
-  sys.stdout.flush()
-
-
-class _NoBar:
-  def __init__(self, total=None, desc=""):
-    self.n = 0
-
-  def update(self, k=1):
-    self.n += k
-
-  def set_description_str(self, s):
-    pass
-
-  def close(self):
-    pass
-
-
-def progress(total: int, desc: str, force: bool | None = None):
-  """A tqdm bar on stderr (hidden when stderr is not a terminal unless ``force``); a no-op without tqdm."""
-  if _tqdm is None:
-    return _NoBar(total, desc)
-  disable = None if force is None else (not force)
-  return _tqdm.tqdm(total=total, desc=desc, file=sys.stderr, disable=disable, mininterval=1.0,
-                    dynamic_ncols=True, leave=False)
+  """One progress line on stdout, prefixed by the elapsed time."""
+  print(f"[{elapsed():7.1f}s] {msg}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,8 +108,9 @@ def nvidia_smi() -> dict | None:
   return dict(zip(fields.split(","), (x.strip() for x in first.split(","))))
 
 
-def run_metadata(argv: list[str], module: str, *, git_commit_override: str | None = None) -> dict:
-  """Everything needed to reproduce and place a run."""
+def run_metadata(argv: list[str] | None, module: str, *, git_commit_override: str | None = None) -> dict:
+  """Everything needed to reproduce and place a run (``argv`` None: this process's arguments)."""
+  argv = list(sys.argv[1:] if argv is None else argv)
   dev = jax.devices()[0]
   import jaxlib  # noqa: PLC0415
   return {
@@ -192,6 +161,13 @@ class LoopTiming:
 
   def per_cycle(self) -> list:
     return [t / self.n_cycles for t in self.times_s]
+
+  def ms_per(self, units: float) -> dict:
+    """Milliseconds per unit of work, a cycle being ``units`` units (layer-steps, steps): each timed
+    call's (``ms``), their median, p20 and p80, and the cycles per call."""
+    ms = [1e3 * t / units for t in self.per_cycle()]
+    med, p20, p80 = quantiles(ms)
+    return {"ms": ms, "median_ms": med, "p20_ms": p20, "p80_ms": p80, "n_cycles": self.n_cycles}
 
 
 def time_loop(call, carry, *, reps: int, rep_seconds: float, max_cycles: int = 1 << 20):
@@ -264,6 +240,13 @@ def measure_copy_ceiling(total_bytes: int, *, num_buffers: int = 4, passes_per_c
 # ----------------------------------------------------------------------------------------------
 # Random data
 
+def mix32(x):
+  """A 32-bit integer finaliser (xor-shift-multiply): a uint32 array to well-mixed uint32 bits."""
+  x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+  x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
 def hash_uniform(stream: int, shape, lo: float, hi: float):
   """Uniform [lo, hi) float32 from a counter-based integer hash of (stream, flat index).
 
@@ -280,12 +263,8 @@ def hash_uniform(stream: int, shape, lo: float, hi: float):
   # B = 512 Mamba2 pool of 8 layers) do not repeat.
   row = lax.broadcasted_iota(jnp.uint32, (lead, inner), 0)
   col = lax.broadcasted_iota(jnp.uint32, (lead, inner), 1)
-  x = (col * jnp.uint32(0x9E3779B1) + row * jnp.uint32(0xC2B2AE35)
-       + jnp.uint32((stream * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF))
-  for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
-    x = x ^ (x >> shift)
-    if mult is not None:
-      x = x * jnp.uint32(mult)
+  x = mix32(col * jnp.uint32(0x9E3779B1) + row * jnp.uint32(0xC2B2AE35)
+            + jnp.uint32((stream * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF))
   u = (x >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
   return (lo + (hi - lo) * u).reshape(shape)
 
@@ -433,6 +412,14 @@ def to_jsonable(x):
   return x
 
 
+def write_json(path, result) -> pathlib.Path:
+  """``result`` as indented JSON (``to_jsonable``) at ``path``, its folder made if needed."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(to_jsonable(result), indent=1))
+  return path
+
+
 def fmt_float(x, spec: str, missing: str = "-") -> str:
   return missing if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
@@ -443,7 +430,7 @@ def itemsize(dtype) -> int:
 
 
 # The benchmarks unroll their layers in the compiled step (a loop over them costs a fixed ~7.5 µs
-# per layer-step on the H200, bench/NOTES.md 53), so P bounds the compile time. At B = 1 the
+# per layer-step on the H200), so P bounds the compile time. At B = 1 the
 # 128 layers still touch 128 MB (GDN bf16) to 512 MB (Mamba2 f32) per step, 2-8x the 60 MB L2.
 MAX_UNROLLED_LAYERS = 128
 

@@ -17,10 +17,9 @@ Protocol (notes/reliability.md §4):
   q, k (GDN) and B, C (Mamba2) ~ N(0, 1), k L2-normalized; activations float32; Mamba2 takes Δ
   directly (``dt_softplus=False``). Every row starts from a zero state.
 * Arms: {replay, conventional} × checkpoint dtype (``--dtypes``) × L (``--buffer-lens``, replay
-  only) × GDN fold mode (``--folds``; used only when ``rs.gdn.ReplayBuffers.create`` accepts a
-  ``fold`` argument, else the library's one mode, recorded as ``default``). The ring dtype is the
-  library default (= checkpoint dtype) unless ``--ring-dtype`` is given. Plus, when the library
-  has ``replay_verify``, a speculative arm per (dtype, L): T = ``--spec-tokens`` tokens per step,
+  only) × GDN fold mode (``--folds``; none given: the library's default, recorded as ``default``).
+  The ring dtype is the library default (= checkpoint dtype) unless ``--ring-dtype`` is given. Plus
+  a speculative arm per (dtype, L): T = ``--spec-tokens`` tokens per step,
   random accepted counts in [1, T], rejected lanes fed junk inputs, ``--spec-steps`` verify steps.
   Each arm is one ``jax.jit`` of a ``lax.fori_loop`` over the steps (public ops inside), run in
   segments between the sample steps; the speculative arm is a jitted step driven from the host.
@@ -50,7 +49,6 @@ what it finished; ``--max-seconds`` stops starting new arms after that much wall
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import pathlib
@@ -117,21 +115,13 @@ SMOKE = {"steps": 256, "rows": 2, "gdn_dims": (1, 2, 16, 16), "mamba2_dims": (2,
 # ----------------------------------------------------------------------------------------------
 # Inputs: a counter-based hash, so step t of row b is the same wherever it is generated.
 
-def _mix(x):
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
 def _bits(seed: int, stream: int, pos, shape):
   """uint32 [rows, *shape] from (seed, stream, row, pos[row], flat index); pos: int32[rows]."""
   rows, n = pos.shape[0], math.prod(shape)
-  x = _mix(pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+  x = common.mix32(pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
            + jnp.uint32((seed * 0x632BE5AB + stream * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF))
-  x = _mix(x[:, None] + lax.broadcasted_iota(jnp.uint32, (rows, 1), 0) * jnp.uint32(0xC2B2AE3D))
-  x = _mix(x + lax.broadcasted_iota(jnp.uint32, (rows, n), 1) * jnp.uint32(0x27D4EB2F))
+  x = common.mix32(x[:, None] + lax.broadcasted_iota(jnp.uint32, (rows, 1), 0) * jnp.uint32(0xC2B2AE3D))
+  x = common.mix32(x + lax.broadcasted_iota(jnp.uint32, (rows, n), 1) * jnp.uint32(0x27D4EB2F))
   return x.reshape((rows,) + tuple(shape))
 
 
@@ -154,21 +144,51 @@ def _between(u, lo, hi):
 # ----------------------------------------------------------------------------------------------
 # Families: inputs, the float64 reference, and the arms' step functions (public ops only).
 
-def _create_kwargs(buffers_cls, fold):
-  """{"fold": fold} when ``ReplayBuffers.create`` takes a fold argument, else {}."""
-  if fold in (None, "default"):
-    return {}
-  return {"fold": fold} if "fold" in inspect.signature(buffers_cls.create).parameters else {}
-
-
 def fold_modes(opts: Options) -> tuple:
-  """GDN fold modes to run: ``opts.folds`` if the library has them, else ("default",)."""
-  params = inspect.signature(rs.gdn.ReplayBuffers.create).parameters
-  return tuple(opts.folds) if ("fold" in params and opts.folds) else ("default",)
+  """GDN fold modes to run: ``opts.folds``, or ("default",) (the library's) if none are given."""
+  return tuple(opts.folds) or ("default",)
 
 
-class Gdn:
+class _Family:
+  """What both families' arms share: the public ops of ``self.ops`` (rs.gdn or rs.mamba2) on a
+  state of ``self.state_shape`` per row, called with ``self.op_kwargs``."""
+  ops = None
+  op_kwargs: dict = {}
+  state_shape: tuple = ()
+
+  def ref_init(self):
+    return np.zeros((self.rows,) + self.state_shape)
+
+  @staticmethod
+  def _update(S, St, mask):
+    """S ← St in place (only the rows where ``mask``, if given)."""
+    if mask is None:
+      S[...] = St
+    else:
+      S[mask] = St[mask]
+
+  def conv_init(self, dtype):
+    return jnp.zeros((self.rows,) + self.state_shape, dtype)
+
+  def conv_step(self, pool, x, slots):
+    return self.ops.decode(*x, pool, slots, **self.op_kwargs, implementation=self.impl)
+
+  def conv_read(self, pool, slots):
+    return pool.astype(f32)
+
+  def replay_step(self, bufs, x, plan):
+    return self.ops.replay_decode(*x, bufs, plan, **self.op_kwargs, implementation=self.impl)
+
+  def verify_step(self, bufs, x, plan):
+    return self.ops.replay_verify(*x, bufs, plan, **self.op_kwargs, implementation=self.impl)
+
+  def materialize(self, bufs, cursor, slots):
+    return self.ops.materialize(bufs, cursor, slots)
+
+
+class Gdn(_Family):
   name = "gdn"
+  ops = rs.gdn
   shared = ()        # input positions that are per-head parameters, not per-row data
   out_like = 2       # the output has the shape of input 2 (v)
 
@@ -177,6 +197,7 @@ class Gdn:
     self.rows, self.seed, self.impl = opts.rows, opts.seed, opts.implementation
     self.ring_dtype = opts.ring_dtype
     self.scale = self.kd ** -0.5
+    self.state_shape = (self.hv, self.vd, self.kd)
 
   def regime(self, name):
     """[g log-magnitude lo, hi, beta lo, hi, v scale] as a float32 array (traced: one program)."""
@@ -195,10 +216,6 @@ class Gdn:
     beta = _between(_uniform(s, 7, pos, (self.hv,)), prm[2], prm[3])
     return q, k, v, g, beta
 
-  # float64 reference
-  def ref_init(self):
-    return np.zeros((self.rows, self.hv, self.vd, self.kd))
-
   def ref_step(self, S, x, mask=None):
     """One exact step in float64 (in place on S); mask [rows] keeps masked-off rows unchanged."""
     q, k, v, g, beta = x
@@ -207,44 +224,20 @@ class Gdn:
     St = S * np.exp(g)[..., None, None]
     u = beta[..., None] * (v - np.matmul(St, kh[..., None])[..., 0])
     St += u[..., :, None] * kh[..., None, :]
-    o = np.matmul(St, qh[..., None])[..., 0]
-    if mask is None:
-      S[...] = St
-    else:
-      S[mask] = St[mask]
-    return o
-
-  # arms
-  def conv_init(self, dtype):
-    return jnp.zeros((self.rows, self.hv, self.vd, self.kd), dtype)
-
-  def conv_step(self, pool, x, slots):
-    o, pool = rs.gdn.decode(*x, pool, slots, implementation=self.impl)
-    return o, pool
-
-  def conv_read(self, pool, slots):
-    return pool.astype(f32)
+    self._update(S, St, mask)
+    return np.matmul(St, qh[..., None])[..., 0]
 
   def buffers(self, cursor, dtype, fold):
     return rs.gdn.ReplayBuffers.create(
         self.rows, cursor, num_k_heads=self.hk, num_v_heads=self.hv, head_k_dim=self.kd,
         head_v_dim=self.vd, state_dtype=dtype, ring_dtype=self.ring_dtype,
-        **_create_kwargs(rs.gdn.ReplayBuffers, fold))
-
-  def replay_step(self, bufs, x, plan):
-    return rs.gdn.replay_decode(*x, bufs, plan, implementation=self.impl)
-
-  def verify_step(self, bufs, x, plan):
-    return rs.gdn.replay_verify(*x, bufs, plan, implementation=self.impl)
-
-  def materialize(self, bufs, cursor, slots):
-    return rs.gdn.materialize(bufs, cursor, slots)
-
-  has_verify = property(lambda self: hasattr(rs.gdn, "replay_verify"))
+        **({} if fold in (None, "default") else {"fold": fold}))
 
 
-class Mamba2:
+class Mamba2(_Family):
   name = "mamba2"
+  ops = rs.mamba2
+  op_kwargs = {"dt_softplus": False}   # the inputs are Δ itself
   shared = (2,)      # A [H]
   out_like = 0       # y has the shape of x
 
@@ -252,6 +245,7 @@ class Mamba2:
     self.h, self.p, self.g, self.n = opts.mamba2_dims
     self.rows, self.seed, self.impl = opts.rows, opts.seed, opts.implementation
     self.ring_dtype = opts.ring_dtype
+    self.state_shape = (self.h, self.p, self.n)
 
   def regime(self, name):
     """[Δ log lo, hi, x scale, A_0 … A_{H-1}] as a float32 array."""
@@ -273,46 +267,18 @@ class Mamba2:
     C = _normal(s, 7, pos, (self.g, self.n))
     return x, dt, prm[3:3 + self.h], B, C
 
-  def ref_init(self):
-    return np.zeros((self.rows, self.h, self.p, self.n))
-
   def ref_step(self, S, xs, mask=None):
     x, dt, A, B, C = xs
     r = self.h // self.g
     Bh, Ch = np.repeat(B, r, axis=1), np.repeat(C, r, axis=1)
     St = S * np.exp(dt * A)[..., None, None] + (dt[..., None] * x)[..., :, None] * Bh[..., None, :]
-    y = np.matmul(St, Ch[..., None])[..., 0]
-    if mask is None:
-      S[...] = St
-    else:
-      S[mask] = St[mask]
-    return y
-
-  def conv_init(self, dtype):
-    return jnp.zeros((self.rows, self.h, self.p, self.n), dtype)
-
-  def conv_step(self, pool, xs, slots):
-    y, pool = rs.mamba2.decode(*xs, pool, slots, dt_softplus=False, implementation=self.impl)
-    return y, pool
-
-  def conv_read(self, pool, slots):
-    return pool.astype(f32)
+    self._update(S, St, mask)
+    return np.matmul(St, Ch[..., None])[..., 0]
 
   def buffers(self, cursor, dtype, fold):
     return rs.mamba2.ReplayBuffers.create(
         self.rows, cursor, num_heads=self.h, head_dim=self.p, num_groups=self.g, state_dim=self.n,
-        state_dtype=dtype, ring_dtype=self.ring_dtype, **_create_kwargs(rs.mamba2.ReplayBuffers, fold))
-
-  def replay_step(self, bufs, xs, plan):
-    return rs.mamba2.replay_decode(*xs, bufs, plan, dt_softplus=False, implementation=self.impl)
-
-  def verify_step(self, bufs, xs, plan):
-    return rs.mamba2.replay_verify(*xs, bufs, plan, dt_softplus=False, implementation=self.impl)
-
-  def materialize(self, bufs, cursor, slots):
-    return rs.mamba2.materialize(bufs, cursor, slots)
-
-  has_verify = property(lambda self: hasattr(rs.mamba2, "replay_verify"))
+        state_dtype=dtype, ring_dtype=self.ring_dtype)   # Mamba2 has one fold
 
 
 def family(name, opts):
@@ -397,7 +363,6 @@ def _out_zeros(fam, prm):
 
 def run_arm(fam, kind, dtype, L, fold, prm, ref, samples, program_cache):
   """Errors of one arm at the sample steps (a dict of lists)."""
-  key = (kind, dtype, L, fold)
   if kind not in program_cache:
     program_cache[kind] = _segment_program(fam, kind)
   prog = program_cache[kind]
@@ -417,7 +382,6 @@ def run_arm(fam, kind, dtype, L, fold, prm, ref, samples, program_cache):
     series["o_err"].append(rel_rms(o, o_ref))
     series["state_err"].append(rel_rms(S, S_ref))
   series["wall_s"] = time.perf_counter() - t_start
-  del key
   return series
 
 
@@ -596,7 +560,7 @@ def model_check(opts: Options, dtypes) -> dict:
   """Greedy tokens of the tiny model: replay vs conventional decode, per checkpoint dtype."""
   from flax import nnx
 
-  cfg = rs.models.LMConfig.tiny_hybrid() if hasattr(rs.models.LMConfig, "tiny_hybrid") else rs.models.LMConfig.tiny()
+  cfg = rs.models.LMConfig.tiny_hybrid()
   model = rs.models.make_model(cfg, opts.seed)
   graphdef, params = nnx.split(model)
   rows, n = opts.model_rows, opts.model_tokens
@@ -671,9 +635,7 @@ def study(opts: Options, *, out_json=None, meta=None, log=common.log) -> dict:
              "from Student's t; per 1000 steps / per 1000 flushes (= per 1000 steps x L); "
              "verdict 'flat' when the interval contains 0",
       "fold_modes": list(folds),
-      "fold_supported": folds != ("default",),
-      "spec": {"supported": {f: family(f, opts).has_verify for f in opts.families},
-               "tokens": opts.spec_tokens, "steps": opts.spec_steps},
+      "spec": {"tokens": opts.spec_tokens, "steps": opts.spec_steps},
       "samples": {"steps": samples, "flush_steps": flush_samples, "lcm_buffer_len": lcm},
       "series": [],
       "skipped": [],
@@ -683,9 +645,7 @@ def study(opts: Options, *, out_json=None, meta=None, log=common.log) -> dict:
   def save():
     result["elapsed_s"] = time.perf_counter() - t_begin
     if out_json:
-      path = pathlib.Path(out_json)
-      path.parent.mkdir(parents=True, exist_ok=True)
-      path.write_text(json.dumps(common.to_jsonable(result), indent=1))
+      common.write_json(out_json, result)
 
   def out_of_time():
     return opts.max_seconds is not None and time.perf_counter() - t_begin > opts.max_seconds
@@ -723,7 +683,7 @@ def study(opts: Options, *, out_json=None, meta=None, log=common.log) -> dict:
         result["series"].append(s)
         _log_series(log, s)
         save()
-      if fam.has_verify and opts.spec_steps > 0:
+      if opts.spec_steps > 0:
         spec_folds = (opts.spec_folds or folds) if fname == "gdn" else ("default",)
         for fold in spec_folds:
           for dt in opts.spec_dtypes or opts.dtypes:

@@ -64,9 +64,9 @@ def _time(fn, carry, label, rows):
   call = jax.jit(lambda c, n: lax.fori_loop(0, n, lambda _, c: fn(c), c), donate_argnums=0)
   _, t = common.time_loop(call, carry, **TIMING)
   # One cycle = one step over all P layers: report per layer-step.
-  med, p20, p80 = (x / LAYERS for x in common.quantiles(t.per_cycle()))
-  rows.append([label, f"{med * 1e3:.4f}", f"{p20 * 1e3:.4f}-{p80 * 1e3:.4f}"])
-  common.log(f"{label}: {med * 1e3:.4f} ms per layer-step")
+  s = t.ms_per(LAYERS)
+  rows.append([label, f"{s['median_ms']:.4f}", f"{s['p20_ms']:.4f}-{s['p80_ms']:.4f}"])
+  common.log(f"{label}: {s['median_ms']:.4f} ms per layer-step")
 
 
 def verify_breakdown(B, L, T, P, sdt, knobs):

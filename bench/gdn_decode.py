@@ -10,9 +10,11 @@ bf16 (``--ring-dtype``), state float32 and/or bfloat16 (``--state-dtypes``).
 
 Arms (``--arms``): ``conv-pallas`` (rs.gdn.decode, pallas_triton), ``replay-pallas-oo`` /
 ``replay-pallas-rc`` (rs.gdn.replay_decode, pallas_triton, route output_only / reconstruct),
-``conv-xla``, ``replay-xla`` (route output_only); opt-in ``replay-pallas-auto``, ``replay-xla-rc``,
+``conv-xla``, ``replay-xla`` (route output_only); opt-in ``replay-xla-rc``,
 and the Pallas Mosaic GPU arms ``conv-mosaic`` / ``replay-mosaic`` (implementation="pallas_mosaic",
 output-only route, flush fold fused; config module defaults) to time Mosaic vs Triton in one run.
+Peer arms (``peer-sglang-replay``, ``peer-sglang-conv``: bench/peer_sglang.py) run SGLang's
+kernels through jax_triton on the same data; a peer that cannot run here is a skipped row.
 XLA arms run only at ``--xla-batches``. ``--configs bv32w2,bv64w4`` adds one row per Pallas launch
 config (calls ``replayssm_jax.pallas.gdn_triton`` with keyword overrides; ``default`` = the config
 module's choice through the public op).
@@ -28,7 +30,7 @@ bench/harness.py, shared with bench/mamba2_decode.py):
 * Steps. One ``jax.jit`` runs ``n`` cycles (a dynamic ``fori_loop``) of ``L`` steps (a
   ``fori_loop``; conventional arms use ``--conv-cycle`` steps) of P layers, unrolled, with every
   layer's slots and inputs made once per call outside the loops: a layer-step is its kernels alone
-  (a loop over the layers cost ~7.5 µs per layer-step, bench/NOTES.md 53), and dispatch and the
+  (a loop over the layers cost ~7.5 µs per layer-step on the H200), and dispatch and the
   loops' host round trips are amortized. Buffers, cursor and the last output are the donated carry,
   threaded from call to call. Replay: one ``cursor.plan(slots)`` per step shared by all layers,
   ``cursor.commit(plan)`` after: honest full cycles, every row flushes once per L steps.
@@ -71,6 +73,7 @@ from replayssm_jax.gdn.buffers import ReplayBuffers
 
 from bench import common
 from bench import harness
+from bench import peer_sglang
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +256,7 @@ BENCH = harness.LayerBench(
         "not_counted": "slot/cursor metadata; the fold pass re-reading the window on flush rows",
     },
     donated_sizes=donated_sizes, make_rings=_make_rings, make_bank=_make_bank, layer=_layer,
-    oracle_output=oracle_output, summary=_summary)
+    oracle_output=oracle_output, summary=_summary, peer_arms=peer_sglang.ARMS)
 
 
 def main(argv=None) -> dict:

@@ -7,6 +7,12 @@ count P, the timed program (``make_runner``) and the gate (``make_gate``), one c
 (``run_case``), planning (``plan_groups``), one (state dtype, batch) group of programs compiled
 together (``run_group``), derived numbers, the table, markdown, plot and the CLI. The method is
 described in bench/gdn_decode.py's docstring.
+
+Peer arms (``Arm.peer``, bench/peer_common.py) are other projects' kernels called through
+jax_triton in the same programs: their inputs are put in the peer's calling convention once per
+timed call (``layer_op``'s ``prepare``), and a peer that keeps replay buffers its own way gets its
+own ``Setup.layout`` (the same data converted; cursors at ring base 0), its gate reading the
+buffers back in our layout.
 """
 import argparse
 import dataclasses
@@ -32,6 +38,7 @@ import replayssm_jax as rs
 from replayssm_jax.cursor import ReplayCursor
 
 from bench import common
+from bench import peer_common
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,9 +48,10 @@ from bench import common
 class Arm:
   name: str
   family: str          # "conv" | "replay"
-  impl: str            # "pallas_triton" | "pallas_mosaic" | "xla"
+  impl: str            # "pallas_triton" | "pallas_mosaic" | "xla" | "peer"
   route: str | None = None
   flush_all: bool = False   # every step flushes every row (the small-batch policy's plan)
+  peer: Any = None          # a bench.peer_common.Peer: another project's kernel (impl "peer")
 
 
 ARMS = {a.name: a for a in (
@@ -52,7 +60,6 @@ ARMS = {a.name: a for a in (
     Arm("replay-pallas-rc", "replay", "pallas_triton", "reconstruct"),
     Arm("conv-xla", "conv", "xla"),
     Arm("replay-xla", "replay", "xla", "output_only"),
-    Arm("replay-pallas-auto", "replay", "pallas_triton", "auto"),
     Arm("replay-xla-rc", "replay", "xla", "reconstruct"),
     Arm("conv-mosaic", "conv", "pallas_mosaic"),
     Arm("replay-mosaic", "replay", "pallas_mosaic", "output_only"),
@@ -111,7 +118,7 @@ class LayerBench:
   geometry: Any
   smoke_geometry: Any
   arms: tuple                # names in ARMS this family has
-  default_arms: tuple
+  default_arms: tuple        # names in ``arms`` or ``peer_arms``
   default_buffer_lens: tuple
   plot_L: int                # the L whose replay rows the bandwidth plot shows
   smoke_help: str
@@ -127,6 +134,18 @@ class LayerBench:
   oracle_output: Callable
   summary: Callable
   heads_option: bool = False  # the replay kernel takes heads per program: --heads, row field "heads"
+  peer_arms: tuple = ()       # Arms of other projects' kernels (bench.peer_*), opt-in by name
+
+  @property
+  def arm_names(self) -> tuple:
+    return self.arms + tuple(a.name for a in self.peer_arms)
+
+  def arm(self, name: str) -> Arm:
+    return next((a for a in self.peer_arms if a.name == name), None) or ARMS[name]
+
+  def with_peers(self, name: str, default_arms: tuple) -> "LayerBench":
+    """This bench run as ``python -m bench.<name>`` with other default arms (a bench.peer_* module)."""
+    return dataclasses.replace(self, name=name, default_arms=default_arms, title=f"{self.title} with peers")
 
   def pallas_available(self) -> str | None:
     """None if the Pallas-Triton kernels import, else why not."""
@@ -150,6 +169,7 @@ class Setup:
   act_dtype: str
   bank: int
   seed: int
+  layout: Any = None   # a peer's RingLayout (bench.peer_common): buffers in its form, cursors at base 0
 
   @property
   def num_slots(self) -> int:  # per layer
@@ -224,12 +244,13 @@ def _host_layout(setup: Setup):
     count = rng.choice(L, size=n, replace=False)
     if L - 1 not in count:  # the gate's step must include a flushing row
       count[rng.integers(n)] = L - 1
-  base = rng.integers(0, setup.ring_size, size=n)
+  base = rng.integers(0, setup.ring_size, size=n) * (setup.layout is None)
   return slots, count.astype(np.int32), base.astype(np.int32)
 
 
-def _make_carry(bench: LayerBench, setup: Setup, seed: int, base, count):
-  """Device-side random buffers for all P layers, the cursor (replay) and the output slot."""
+def _make_carry(bench: LayerBench, setup: Setup, seed: int, base, count, params):
+  """Device-side random buffers for all P layers (in ``setup.layout``), the cursor (replay) and the
+  output slot."""
   geo, P, n = setup.geo, setup.layers, setup.num_slots
   ks = [16 * seed + i for i in range(4)]
   state = (common.hash_normal(ks[0], (P * n,) + geo.state_shape) * 0.1).astype(setup.state_dtype)
@@ -237,6 +258,8 @@ def _make_carry(bench: LayerBench, setup: Setup, seed: int, base, count):
   if setup.family == "conv":
     return state, o
   bufs = bench.make_rings(setup, state, ks[1:])
+  if setup.layout is not None:
+    bufs = setup.layout.from_ours(bufs, params)
   cursor = ReplayCursor(base=base, count=count, buffer_len=setup.buffer_len, max_draft=0)
   return bufs, cursor, o
 
@@ -244,7 +267,7 @@ def _make_carry(bench: LayerBench, setup: Setup, seed: int, base, count):
 def _init(bench: LayerBench, setup: Setup, slots, base, count):
   seed = zlib.crc32(repr((setup.seed, setup.batch, setup.buffer_len, setup.family)).encode()) % (1 << 20)
   bank, params = bench.make_bank(setup, [16 * seed + 8 + i for i in range(8)])
-  return _make_carry(bench, setup, seed, base, count), (bank, params, slots)
+  return _make_carry(bench, setup, seed, base, count, params), (bank, params, slots)
 
 
 _init_jit = jax.jit(_init, static_argnums=(0, 1))
@@ -265,13 +288,30 @@ def abstract_state(bench: LayerBench, setup: Setup):
   return jax.eval_shape(lambda s, b, c: _init(bench, setup, s, b, c), slots, base, count)
 
 
+def ours(setup: Setup, bufs, params):
+  """Replay buffers of ``setup`` in our layout (as they are, unless a peer's layout holds them)."""
+  return bufs if setup.layout is None else setup.layout.to_ours(bufs, params)
+
+
+def layer_op(bench: LayerBench, case: Case):
+  """``(prepare, step)``: ``prepare(inputs, params)`` puts one input set in the arm's calling
+  convention, once per call outside the loops (identity for our arms); ``step(prepared, params,
+  buf, slots_or_plan) -> (out, buf)`` is one layer-step."""
+  peer = case.arm.peer
+  if peer is None:
+    return (lambda inputs, params: inputs), bench.layer(case)
+  kernels = peer.kernels()
+  return (lambda inputs, params: peer.prepare(kernels, case, inputs, params),
+          lambda inputs, params, buf, index: peer.step(kernels, case, inputs, params, buf, index))
+
+
 # ----------------------------------------------------------------------------------------------
 # Programs
 
 def make_runner(bench: LayerBench, case: Case):
   """``run(carry, consts, n_cycles) -> carry``: n cycles of ``cycle_steps`` steps of P layers."""
   setup, arm = case.setup, case.arm
-  op = bench.layer(case)
+  prepare, op = layer_op(bench, case)
   P, n, steps, nb = setup.layers, setup.num_slots, setup.cycle_steps, setup.bank
 
   def run(carry, consts, n_cycles):
@@ -279,8 +319,8 @@ def make_runner(bench: LayerBench, case: Case):
     # Every layer's operands are made once per call, outside the loops, and the layers are
     # unrolled: a layer-step is then its kernels alone, as in a model. (A lax.fori_loop over the
     # layers, with the slot offsets and input set computed per layer, cost ~7.5 µs per layer-step
-    # on the H200: 3x the whole B = 1 kernel; bench/NOTES.md 53.)
-    sets = [tuple(x[j] for x in bank) for j in range(min(nb, P))]
+    # on the H200: 3x the whole B = 1 kernel.)
+    sets = [prepare(tuple(x[j] for x in bank), params) for j in range(min(nb, P))]
     layer_slots = [slots + l * n for l in range(P)]
 
     if arm.family == "conv":
@@ -316,18 +356,24 @@ def _live_ring_entries(bufs, cursor, slots):
 
 def make_gate(bench: LayerBench, case: Case):
   """``gate(carry, consts) -> (o, rows)``: layer 0's first step (input set 0), not donated; rows =
-  the written buffers at the batch's slots (state; + the live entries of every ring for replay)."""
-  op = bench.layer(case)
+  the written buffers at the batch's slots (state; + the live entries of every ring for replay), in
+  our layout whatever layout the setup's buffers have."""
+  prepare, op = layer_op(bench, case)
 
   def gate(carry, consts):
     bank, params, slots = consts
-    inp = tuple(x[0] for x in bank)
+    inp = prepare(tuple(x[0] for x in bank), params)
     if case.arm.family == "conv":
       o, pool = op(inp, params, carry[0], slots)
       return o, (pool[slots],)
     bufs, cursor = carry[0], carry[1]
+    native = case.arm.peer is not None   # a peer arm runs on its own layout, ours on ours
+    if not native:
+      bufs = ours(case.setup, bufs, params)
     plan = cursor.plan(slots, flush_all=case.arm.flush_all)
     o, bufs = op(inp, params, bufs, plan)
+    if native:
+      bufs = ours(case.setup, bufs, params)
     return o, (bufs.state[slots],) + _live_ring_entries(bufs, cursor.commit(plan), slots)
   return gate
 
@@ -347,6 +393,9 @@ def _compare(a, b):
 def f64(x):
   """A device array as a float64 numpy array (through float32)."""
   return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+ORACLE_ROWS = 4   # batch rows the gate checks against the float64 oracle
 
 
 def gate_tolerance(setup: Setup) -> float:
@@ -396,8 +445,10 @@ def run_case(bench: LayerBench, case: Case, runner, gate_fn, ref_gate_fn, args, 
     o, rows = gate_fn(carry, consts)
   o_abs, o_rel, o_fin = (float(x) for x in _compare(o, ref_o))
   s_abs, s_rel, s_fin = (float(x) for x in _compare(rows, ref_rows))
-  m = min(setup.batch, args.oracle_rows)
-  want = bench.oracle_output(setup, carry, consts, host, m)
+  m = min(setup.batch, ORACLE_ROWS)
+  view = carry if setup.family == "conv" else (ours(setup, carry[0], consts[1]),) + carry[1:]
+  want = bench.oracle_output(setup, view, consts, host, m)
+  del view
   norm = max(np.linalg.norm(want), 1e-30)
   oracle_rel = float(np.linalg.norm(f64(o[:m]) - want) / norm)
   ref_oracle_rel = float(np.linalg.norm(f64(ref_o[:m]) - want) / norm)
@@ -416,11 +467,9 @@ def run_case(bench: LayerBench, case: Case, runner, gate_fn, ref_gate_fn, args, 
   row["checks"] = _post_checks(case, carry, host, timing.cycles_run)
   del carry, consts
   units = setup.cycle_steps * setup.layers  # layer-steps per cycle
-  ms = [t / units * 1e3 for t in timing.per_cycle()]
-  med, p20, p80 = common.quantiles(ms)
-  row.update(ms_per_layer_step=ms, median_ms=med, p20_ms=p20, p80_ms=p80, n_cycles=timing.n_cycles,
-             layer_steps_per_call=timing.n_cycles * units, warmup_s=timing.warmup_s,
-             calib_s=timing.calib_s)
+  summary = timing.ms_per(units)
+  row.update(ms_per_layer_step=summary.pop("ms"), **summary, layer_steps_per_call=timing.n_cycles * units,
+             warmup_s=timing.warmup_s, calib_s=timing.calib_s)
   ok_checks = all(row["checks"].values())
   row["status"] = "ok" if (passed and ok_checks) else ("gate-failed" if not passed else "check-failed")
   return row
@@ -435,6 +484,8 @@ def _row_skeleton(bench: LayerBench, case: Case) -> dict:
       "config_overrides": dict(case.cfg.overrides),
       **({"heads": case.heads} if bench.heads_option else {}),
       "impl": case.arm.impl, "family": case.arm.family, "route": case.arm.route,
+      "peer": case.arm.peer.name if case.arm.peer else None,
+      "ring_layout": s.layout.name if s.layout else None,
       "state_dtype": s.state_dtype, "ring_dtype": s.ring_dtype if replay else None,
       "act_dtype": s.act_dtype, "batch": s.batch, "buffer_len": s.buffer_len if replay else None,
       "layers": s.layers, "slots_per_layer": s.num_slots, "cycle_steps": s.cycle_steps,
@@ -459,8 +510,8 @@ def _step_config(cfg: common.LaunchConfig) -> common.LaunchConfig:
 
 def _arm_configs(bench: LayerBench, arm: Arm, configs) -> list:
   """The ``--configs`` an arm runs: a Triton arm those without a Mosaic-only knob, a Mosaic arm
-  those made of ``bench.mosaic_knobs`` only, an XLA arm the default. A config that no arm of the
-  run takes is refused by ``main``."""
+  those made of ``bench.mosaic_knobs`` only, an XLA or peer arm the default. A config that no arm
+  of the run takes is refused by ``main``."""
   if arm.impl == "pallas_triton":
     return [c for c in configs if not set(c.kwargs()) & set(MOSAIC_ONLY_KNOBS)]
   if arm.impl == "pallas_mosaic":
@@ -468,21 +519,31 @@ def _arm_configs(bench: LayerBench, arm: Arm, configs) -> list:
   return [_DEFAULT]
 
 
+def _unavailable(bench: LayerBench, arm: Arm, pallas_error: str | None) -> str | None:
+  """Why an arm cannot run in this process (None if it can)."""
+  if arm.peer is not None:
+    return arm.peer.available()
+  return pallas_error if arm.impl == "pallas_triton" else None
+
+
 def plan_groups(bench: LayerBench, args, geo, pallas_error: str | None):
   """[(state_dtype, batch, [Case...], [skipped rows])], in run order."""
   groups = []
+  arms = [bench.arm(name) for name in args.arms]
+  layouts = [None] + list(dict.fromkeys(a.peer.layout for a in arms if a.peer and a.peer.layout))
   for sdt in args.state_dtypes:
     for B in args.batches:
       P = layers_for(geo, B, sdt, args.target_bytes, args.max_layers, args.min_layers)
-      mk = lambda family, L: Setup(geo=geo, family=family, batch=B, layers=P, buffer_len=L,
-                                   state_dtype=sdt, ring_dtype=args.ring_dtype, act_dtype=args.act_dtype,
-                                   bank=args.bank, seed=args.seed)
+      mk = lambda family, L, layout=None: Setup(
+          geo=geo, family=family, batch=B, layers=P, buffer_len=L, state_dtype=sdt, ring_dtype=args.ring_dtype,
+          act_dtype=args.act_dtype, bank=args.bank, seed=args.seed, layout=layout)
       cases, skipped, seen = [], [], set()
-      setups = [mk("conv", args.conv_cycle)] + [mk("replay", L) for L in args.buffer_lens]
+      setups = [mk("conv", args.conv_cycle)] + [mk("replay", L, lay) for lay in layouts for L in args.buffer_lens]
       for setup in setups:
-        for name in args.arms:
-          arm = ARMS[name]
-          if arm.family != setup.family or (arm.impl == "xla" and B not in args.xla_batches):
+        for arm in arms:
+          layout = arm.peer.layout if arm.peer and arm.family == "replay" else None
+          if (arm.family != setup.family or layout is not setup.layout
+              or (arm.impl == "xla" and B not in args.xla_batches)):
             continue
           heads = args.heads if bench.heads_option and arm.impl == "pallas_triton" and arm.family == "replay" else None
           for cfg in _arm_configs(bench, arm, args.configs):
@@ -492,9 +553,10 @@ def plan_groups(bench: LayerBench, args, geo, pallas_error: str | None):
             if (case.label, setup) in seen:
               continue
             seen.add((case.label, setup))
-            if arm.impl == "pallas_triton" and pallas_error:
+            why = _unavailable(bench, arm, pallas_error)
+            if why:
               row = _row_skeleton(bench, case)
-              row.update(status="skipped", error=pallas_error)
+              row.update(status="skipped", error=why)
               skipped.append(row)
             else:
               cases.append(case)
@@ -507,7 +569,7 @@ def _error_text(e: BaseException) -> str:
   return text if len(text) < 2000 else text[:2000] + " …"
 
 
-def run_group(bench: LayerBench, sdt, B, cases, args, bar) -> list[dict]:
+def run_group(bench: LayerBench, sdt, B, cases, args) -> list[dict]:
   """Lowers and compiles every program of one (state dtype, batch) group, then runs its cases."""
   rows = []
   lowered, errors = {}, {}
@@ -547,11 +609,9 @@ def run_group(bench: LayerBench, sdt, B, cases, args, bar) -> list[dict]:
       return errors[key], 0.0
     return compiled.get(key, (None, 0.0))
 
-  tol = lambda case: args.gate_tol or gate_tolerance(case.setup)
+  tol = lambda case: gate_tolerance(case.setup)
   runners = {}
   for case in cases:
-    bar.set_description_str(f"{case.label} {sdt} B={B}" + (f" L={case.setup.buffer_len}"
-                                                           if case.arm.family == "replay" else ""))
     row = _row_skeleton(bench, case)
     runner, run_cs = get(("run", case))
     gate_key = ("gate", case) if ("gate", case) in lowered or ("gate", case) in errors else _ref_key(case)
@@ -574,7 +634,6 @@ def run_group(bench: LayerBench, sdt, B, cases, args, bar) -> list[dict]:
     gc.collect()
     rows.append(row)
     _log_row(row)
-    bar.update(1)
 
   # The same arm once more, at the end of the group: run-to-run noise.
   rep = runners.get(args.repeat_arm)
@@ -588,7 +647,6 @@ def run_group(bench: LayerBench, sdt, B, cases, args, bar) -> list[dict]:
       row.update(repeat=True, label=case.label + "#2", status="error", error=_error_text(e))
     rows.append(row)
     _log_row(row)
-    bar.update(1)
   del compiled, lowered, runners
   gc.collect()
   return rows
@@ -624,7 +682,7 @@ def derive(rows: list[dict], ceiling_gbps: float | None) -> None:
 
   for r in rows:
     r.update(eff_gbps=None, pct_ceiling=None, speedup_vs_conv=None, speedup_vs_conv_basis=None,
-             speedup_vs_xla=None, speedup_vs_xla_basis=None)
+             speedup_vs_xla=None, speedup_vs_xla_basis=None, speedup_vs_peer=None, speedup_vs_peer_basis=None)
     if r.get("median_ms") is None:
       continue
     r["eff_gbps"] = r["bytes_per_layer_step"] / (r["median_ms"] * 1e-3) / 1e9
@@ -643,9 +701,15 @@ def derive(rows: list[dict], ceiling_gbps: float | None) -> None:
     if conv is not None and r["family"] == "replay":
       r["speedup_vs_conv"] = conv["median_ms"] / r["median_ms"]
       r["speedup_vs_conv_basis"] = conv["label"]
-    if xla is not None and r["impl"] != "xla":
+    if xla is not None and r["impl"] not in ("xla", "peer"):
       r["speedup_vs_xla"] = xla["median_ms"] / r["median_ms"]
       r["speedup_vs_xla_basis"] = xla["label"]
+    # The fastest peer kernel of the same family (and L), same state dtype and batch.
+    peer = best(lambda o: same(o) and o["impl"] == "peer" and o["family"] == r["family"]
+                and o["buffer_len"] == r["buffer_len"])
+    if peer is not None and r["impl"] != "peer":
+      r["speedup_vs_peer"] = peer["median_ms"] / r["median_ms"]
+      r["speedup_vs_peer_basis"] = peer["label"]
 
 
 _DTYPE_ORDER = {"float32": 0, "bfloat16": 1, "float16": 2}
@@ -658,8 +722,8 @@ def _sort_key(r):
 
 
 TABLE_HEADERS = ["arm", "state", "B", "L", "P", "ms/step", "p20-p80", "GB/s", "%ceil", "x conv",
-                 "x xla", "gate (rel err)"]
-_RIGHT = {2, 3, 4, 5, 6, 7, 8, 9, 10}
+                 "x xla", "x peer", "gate (rel err)"]
+_RIGHT = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11}
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
@@ -669,7 +733,7 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(r["state_dtype"], r["state_dtype"])
     head = [r["label"], short, str(r["batch"]), str(r["buffer_len"] or "-"), str(r["layers"])]
     if r.get("median_ms") is None:
-      out.append(head + ["-"] * 6 + [f"{r['status'].upper()}: {str(r['error'])[:60]}"])
+      out.append(head + ["-"] * 7 + [f"{r['status'].upper()}: {str(r['error'])[:60]}"])
       continue
     g = r["gate"]
     gate = ("ok " if g["passed"] else "FAIL ") + f"{max(g['o_rel'], g['state_rel'], g['oracle_o_rel']):.1e}"
@@ -679,7 +743,8 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
       gate += " +copy"  # the timed program copies a whole donated array (see JSON big_copies)
     out.append(head + [f(r["median_ms"], ".4f"), f"{r['p20_ms']:.4f}-{r['p80_ms']:.4f}",
                        f(r["eff_gbps"], ".0f"), f(r["pct_ceiling"], ".0f"),
-                       f(r["speedup_vs_conv"], ".2f"), f(r["speedup_vs_xla"], ".2f"), gate])
+                       f(r["speedup_vs_conv"], ".2f"), f(r["speedup_vs_xla"], ".2f"),
+                       f(r.get("speedup_vs_peer"), ".2f"), gate])
   return out
 
 
@@ -703,7 +768,10 @@ Definitions (bench/gdn_decode.py docstring has the full method):
   (in-place `x + z` over ≥ 2 GB, bytes read + written) measured in the same run.
 - **x conv**: conventional Pallas time / this arm's time (same state dtype and batch, same run; the best
   conventional arm and launch config, Triton or Mosaic). **x xla**: XLA time of the same algorithm
-  (replay-xla at the same L for replay arms, conv-xla for conv-pallas / conv-mosaic) / this arm's time. Speedups only between rows whose gates passed.
+  (replay-xla at the same L for replay arms, conv-xla for conv-pallas / conv-mosaic) / this arm's time.
+  **x peer**: the fastest peer kernel of the same kind (`peer-*` rows: another project's kernel called
+  through jax_triton in the same harness, same data, same gate) / this arm's time. Speedups only between
+  rows whose gates passed.
 - **gate**: first step vs `implementation="xla"` (output and written state/ring rows) and vs a float64
   oracle on the first rows; the largest relative L2 error is shown. `#2` rows re-time an arm at the end
   of its group: the run-to-run noise. `+copy`: the compiled timed program copies a whole donated array
@@ -815,7 +883,7 @@ def parse_args(bench: LayerBench, argv):
   p.add_argument("--batches", type=_csv(int), default=[1, 8, 32, 128, 256, 512])
   p.add_argument("--buffer-lens", type=_csv(int), default=list(bench.default_buffer_lens))
   p.add_argument("--arms", type=_csv(str), default=list(bench.default_arms),
-                 help=f"comma list of {', '.join(bench.arms)}")
+                 help=f"comma list of {', '.join(bench.arm_names)}")
   p.add_argument("--configs", type=_csv(common.parse_config), default=[_DEFAULT], help=bench.configs_help)
   if bench.heads_option:
     p.add_argument("--heads", type=int, default=None, help="replay step: heads per program")
@@ -833,23 +901,22 @@ def parse_args(bench: LayerBench, argv):
                       "has 24 GDN layers); the per-step cursor work is spread over them")
   p.add_argument("--bank", type=int, default=8, help="random input sets cycled through")
   p.add_argument("--conv-cycle", type=int, default=16, help="steps per cycle of the conventional arms")
-  p.add_argument("--oracle-rows", type=int, default=4, help="rows checked against the float64 oracle")
-  p.add_argument("--gate-tol", type=float, default=None, help="relative tolerance (default by dtype)")
   p.add_argument("--copy-bytes", type=float, default=float(2 << 30), help="copy-ceiling buffer bytes")
   p.add_argument("--compile-workers", type=int, default=None,
                  help="parallel XLA compilations (default 8 on GPU, min(4, CPUs) elsewhere)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out-json", type=pathlib.Path, default=None,
-                 help=f"default bench/results/{bench.name}_<date>.json")
+                 help=f"default bench/results/{bench.name}_<date>.json; rewritten after every group")
   p.add_argument("--markdown", action="store_true", help="append a section to --results-md")
   p.add_argument("--results-md", type=pathlib.Path, default=common.BENCH_DIR / "RESULTS.md")
   p.add_argument("--plot", nargs="?", const="auto", default=None, type=str,
                  help=f"write a PNG (default path bench/{bench.name}_<date>.png)")
-  p.add_argument("--plot-L", type=int, default=bench.plot_L)
   p.add_argument("--from-json", type=pathlib.Path, nargs="+", default=None,
                  help="re-render table/markdown/plot from saved result files (no device work)")
   p.add_argument("--git-commit", default=None, help="commit to record where the checkout has no .git")
-  p.add_argument("--progress", action="store_true", help="show the progress bar even without a terminal")
+  p.add_argument("--peer-dir", type=pathlib.Path, action="append", default=[],
+                 help="a directory holding a peer's source tree (e.g. sglang/, vllm/, mamba_ssm/), searched "
+                      "before the installed packages by the peer-* arms; repeatable")
   p.add_argument("--dry-run", action="store_true", help="print the planned arms, P and memory, then exit")
   args = p.parse_args(argv)
   if args.smoke:
@@ -860,11 +927,14 @@ def parse_args(bench: LayerBench, argv):
     for k, v in smoke.items():  # smoke sizes unless given explicitly
       if getattr(args, k) == getattr(defaults, k):
         setattr(args, k, v)
-  bad = [a for a in args.arms if a not in bench.arms]
+  bad = [a for a in args.arms if a not in bench.arm_names]
   if bad:
-    p.error(f"unknown arm(s) {bad}; choose from {list(bench.arms)}")
+    p.error(f"unknown arm(s) {bad}; choose from {list(bench.arm_names)}")
+  bad = [d for d in args.peer_dir if not d.is_dir()]
+  if bad:
+    p.error(f"--peer-dir {[str(d) for d in bad]}: not a directory")
   unused = [c.name for c in args.configs if not c.is_default
-            and not any(c in _arm_configs(bench, ARMS[a], [c]) for a in args.arms)]
+            and not any(c in _arm_configs(bench, bench.arm(a), [c]) for a in args.arms)]
   if unused:
     p.error(f"--configs {unused}: no arm of {args.arms} takes these knobs (Triton arms take all but "
             f"{list(MOSAIC_ONLY_KNOBS)}; this family's Mosaic arms take {list(bench.mosaic_knobs)})")
@@ -886,7 +956,7 @@ def _write_reports(bench: LayerBench, args, meta: dict, ceilings: list, rows: li
     print(f"markdown: appended to {args.results_md}")
   if args.plot:
     path = (common.BENCH_DIR / f"{bench.name}_{common.timestamp()}.png") if args.plot == "auto" else args.plot
-    if plot(rows, ceilings, path, f"{bench.title}, {meta.get('device_kind')}, {meta.get('date')}", args.plot_L):
+    if plot(rows, ceilings, path, f"{bench.title}, {meta.get('device_kind')}, {meta.get('date')}", bench.plot_L):
       print(f"plot: {path}")
 
 
@@ -941,6 +1011,7 @@ def main(bench: LayerBench, argv=None) -> dict:
   rs.set_checks(False)
   warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
   geo = bench.smoke_geometry if args.smoke else bench.geometry
+  peer_common.set_peer_dirs(args.peer_dir)
   if args.dry_run:
     return _dry_run(bench, args, geo)
   meta = common.run_metadata(argv, f"bench.{bench.name}", git_commit_override=args.git_commit)
@@ -953,6 +1024,10 @@ def main(bench: LayerBench, argv=None) -> dict:
   pallas_error = bench.pallas_available()
   if pallas_error:
     common.log(f"Pallas arms skipped: {pallas_error}")
+  peers = {bench.arm(a).peer.name: bench.arm(a).peer.available() for a in args.arms if bench.arm(a).peer}
+  if peers:
+    meta["peers"] = {"status": peers, "peer_dirs": [str(d) for d in args.peer_dir],
+                     **{d: peer_common.version(d) for d in ("jax-triton", "triton", "sglang", "vllm", "mamba-ssm")}}
 
   measure = lambda seed: common.measure_copy_ceiling(int(args.copy_bytes), reps=args.reps, seed=seed,
                                                      rep_seconds=max(args.rep_seconds, 0.005))
@@ -964,28 +1039,30 @@ def main(bench: LayerBench, argv=None) -> dict:
   total = sum(len(c) for _, _, c, _ in groups) + sum(
       1 for _, _, c, _ in groups if any(x.label == args.repeat_arm for x in c))
   common.log(f"{total} timed rows in {len(groups)} groups (state dtype x batch)")
+  out = pathlib.Path(args.out_json or (common.BENCH_DIR / "results" / f"{bench.name}_{common.timestamp()}.json"))
+
+  def save(rows, ceiling):
+    """The result file, rewritten after every group: a run cut short keeps what it measured."""
+    derive(rows, ceiling)
+    meta["elapsed_s"] = common.elapsed()
+    result = {"meta": meta, "ceiling": {"gbps": ceiling, "runs": ceil_runs},
+              "bytes_model": bench.bytes_model_doc, "rows": sorted(rows, key=_sort_key)}
+    common.write_json(out, result)
+    return result
+
   rows = []
-  bar = common.progress(total, "arms", force=True if args.progress else None)
-  try:
-    for sdt, B, cases, skipped in groups:
-      rows += skipped
-      for r in skipped:
-        _log_row(r)
-      if cases:
-        rows += run_group(bench, sdt, B, cases, args, bar)
-  finally:
-    bar.close()
+  for sdt, B, cases, skipped in groups:
+    rows += skipped
+    for r in skipped:
+      _log_row(r)
+    if cases:
+      rows += run_group(bench, sdt, B, cases, args)
+    save(rows, ceil_runs[0]["gbps"])
 
   ceil_runs.append(measure(1))
   ceiling = max(c["gbps"] for c in ceil_runs)
   common.log(f"copy ceiling at the end: {ceil_runs[1]['gbps']:.0f} GB/s; using {ceiling:.0f} GB/s")
-  derive(rows, ceiling)
-  meta["elapsed_s"] = common.elapsed()
-  result = {"meta": meta, "ceiling": {"gbps": ceiling, "runs": ceil_runs},
-            "bytes_model": bench.bytes_model_doc, "rows": sorted(rows, key=_sort_key)}
-  out = pathlib.Path(args.out_json or (common.BENCH_DIR / "results" / f"{bench.name}_{common.timestamp()}.json"))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(common.to_jsonable(result), indent=1))
+  result = save(rows, ceiling)
   print(f"json: {out}")
   _write_reports(bench, args, meta, [ceiling], rows)
   n_fail = sum(r["status"] not in ("ok", "skipped") for r in rows)

@@ -15,7 +15,9 @@ Arms (``--arms``): ``conv-pallas`` (rs.mamba2.decode, pallas_triton), ``replay-p
 ``replay-pallas-flushall`` (not in the default set): every step ``cursor.plan(flush_all=True)``,
 the small-batch policy's plan, through the same replay kernel (every row takes its flush path).
 ``conv-mosaic`` / ``replay-mosaic-rc`` (not in the default set): implementation="pallas_mosaic",
-the Mosaic GPU decode and the reconstruct-route replay kernel.
+the Mosaic GPU decode and the reconstruct-route replay kernel. Peer arms ``peer-vllm-replay``
+(bench/peer_vllm.py) and ``peer-mamba-ssm-conv`` (bench/peer_mamba_ssm.py) run those projects'
+kernels through jax_triton on the same data; a peer that cannot run here is a skipped row.
 ``--configs`` adds one row per Pallas launch config: tokens ``bv`` (block_p, P rows per program),
 ``bk`` (block_n, N chunk of the rebuild), ``w`` (warps), ``s`` (stages), and for the output-only
 route's fold pass ``fbv`` / ``fbk`` (its [P, N] tile), ``fw`` (warps), ``fr`` (row slots);
@@ -50,6 +52,8 @@ from replayssm_jax.mamba2.buffers import ReplayBuffers
 
 from bench import common
 from bench import harness
+from bench import peer_mamba_ssm
+from bench import peer_vllm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +228,8 @@ BENCH = harness.LayerBench(
         "not_counted": "slot/cursor metadata; parameters A, D, dt_bias",
     },
     donated_sizes=donated_sizes, make_rings=_make_rings, make_bank=_make_bank, layer=_layer,
-    oracle_output=oracle_output, summary=_summary, heads_option=True)
+    oracle_output=oracle_output, summary=_summary, heads_option=True,
+    peer_arms=peer_vllm.ARMS + peer_mamba_ssm.ARMS)
 
 
 def main(argv=None) -> dict:

@@ -16,9 +16,7 @@ including the small-batch policy) and, where the policy is on, replay without it
     python -m bench.model_decode --smoke              # CPU: tiny stack, B = 1, 4
 """
 import argparse
-import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -71,11 +69,9 @@ def staggered_cache(model, batch, *, replay, buffer_len, max_draft=0):
 
 def step_row(timing, *, batch, mode, buffer_len) -> dict:
   """A result row from ``common.time_loop``'s timing of L-step cycles."""
-  per_step_ms = [1e3 * t / buffer_len for t in timing.per_cycle()]
-  med, p20, p80 = common.quantiles(per_step_ms)
-  return {"mode": mode, "batch": batch, "buffer_len": buffer_len,
-          "ms_per_step": per_step_ms, "median_ms": med, "p20_ms": p20, "p80_ms": p80,
-          "tokens_per_s": batch / (med / 1e3), "n_cycles": timing.n_cycles}
+  summary = timing.ms_per(buffer_len)
+  return {"mode": mode, "batch": batch, "buffer_len": buffer_len, "ms_per_step": summary.pop("ms"), **summary,
+          "tokens_per_s": batch / (summary["median_ms"] / 1e3)}
 
 
 # mode -> (replay, flush_all): "replay" follows the library's small-batch policy (flush_all=None:
@@ -133,10 +129,10 @@ def main(argv=None) -> dict:
                                          common.fmt_float(r.get("speedup_vs_conv"), ".2f")] for r in rows],
                               markdown=True)
   print(table)
-  result = {"meta": common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.model_decode"),
+  result = {"meta": common.run_metadata(argv, "bench.model_decode"),
             "stack": args.stack, "geometry": geometry, "dtype": jnp.dtype(dtype).name, "rows": rows}
   if args.out_json:
-    pathlib.Path(args.out_json).write_text(json.dumps(common.to_jsonable(result), indent=1))
+    common.write_json(args.out_json, result)
   if args.markdown:
     pathlib.Path(args.markdown).write_text(f"## Model decode ({args.stack} stack)\n\n" + table + "\n")
   return result

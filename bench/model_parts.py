@@ -1,7 +1,7 @@
 """The model step's shared parts, timed alone: the conv-state step and the SwiGLU MLP (B = 256).
 
 bench/model_trace.py showed where a model decode step spends its GPU time outside the mixer
-kernels (bench/NOTES.md 31). This times the two parts that were changed, each against the form it
+kernels. This times the two parts that were changed, each against the form it
 replaced, in one run:
 
 * conv step (``models._conv.step``: gather the slot's W-1 inputs, W multiply-adds, scatter the
@@ -18,9 +18,6 @@ Each part runs ``--steps`` times inside one ``jax.jit`` (``lax.fori_loop``, carr
     python -m bench.model_parts --smoke         # CPU: tiny shapes
 """
 import argparse
-import json
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -117,16 +114,16 @@ def main(argv=None) -> dict:
     t = time_mlp(cls, batch=batch, dim=dim, hidden=hidden, reps=reps, rep_seconds=rep_seconds)
     rows.append({"part": name, "shape": f"B={batch} D={dim} I={hidden} bf16", "timing": t})
   for r in rows:
-    med, p20, p80 = common.quantiles([1e6 * s for s in r.pop("timing").per_cycle()])
-    r.update(us_median=med, us_p20=p20, us_p80=p80)
-    common.log(f"{r['part']}, {r['shape']}: {med:.1f} µs")
+    s = r.pop("timing").ms_per(1e-3)   # µs per call
+    r.update(us_median=s["median_ms"], us_p20=s["p20_ms"], us_p80=s["p80_ms"])
+    common.log(f"{r['part']}, {r['shape']}: {r['us_median']:.1f} µs")
   print(common.render_table(["part", "shape", "µs/call", "p20-p80"],
                             [[r["part"], r["shape"], f"{r['us_median']:.1f}",
                               f"{r['us_p20']:.1f}-{r['us_p80']:.1f}"] for r in rows]))
-  result = {"meta": common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.model_parts"),
+  result = {"meta": common.run_metadata(argv, "bench.model_parts"),
             "rows": rows}
   if args.out_json:
-    pathlib.Path(args.out_json).write_text(json.dumps(common.to_jsonable(result), indent=1))
+    common.write_json(args.out_json, result)
   return result
 
 

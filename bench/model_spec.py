@@ -15,8 +15,7 @@ per step. L defaults to ``config.buffer_len_for(T)``, what ``generate`` uses.
 Arms (``--implementations``): the ``implementation=`` passed to ``LM.verify`` (``LM.commit`` has
 none: cursor and conv-state rollback are plain jnp): ``pallas_triton``, ``pallas_mosaic``, ``xla``,
 ``none`` (implementation=None, the library's choice). The question it answers: should None prefer
-the Mosaic verify kernels inside a model (bench/NOTES.md item 29: a kernel that wins alone can lose
-in the model).
+the Mosaic verify kernels inside a model (a kernel that wins alone can lose in the model).
 
 Gate before timing: every arm first runs one cycle of the same compiled loop without feedback
 (token 0 random too) from the same cache and key, so all arms see the same tokens and accepted
@@ -33,9 +32,7 @@ the arm's median, same stack, T, B and L. The timing continues from the gate's c
     python -m bench.model_spec --smoke                             # CPU: tiny stack, xla + pallas_triton
 """
 import argparse
-import json
 import pathlib
-import sys
 import time
 
 import jax
@@ -149,7 +146,7 @@ _HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": 
 
 def cache_copies(compiled, cache) -> list[str] | None:
   """Copy instructions in the optimized HLO shaped like a cache array (checkpoints, rings, conv
-  states): a donated cache updated in place has none (NOTES.md item 29 checked the decode loop so).
+  states): a donated cache updated in place has none.
   Recorded, not gated (XLA:CPU copies rings). None if the HLO text is unavailable."""
   shapes = {f"{_HLO_DTYPES.get(x.dtype.name, x.dtype.name)}[{','.join(map(str, x.shape))}]"
             for x in jax.tree.leaves(cache) if x.ndim >= 2}
@@ -186,10 +183,9 @@ def measure(model, batch, *, name, num_tokens, buffer_len, ref, tol, reps, rep_s
     row.update(status="skipped" if isinstance(e, NotImplementedError) else "error",
                error=f"{type(e).__name__}: {e}")
     return row, None
-  per_step_ms = [1e3 * t / buffer_len for t in timing.per_cycle()]
-  med, p20, p80 = common.quantiles(per_step_ms)
-  row.update(ms_per_step=per_step_ms, median_ms=med, p20_ms=p20, p80_ms=p80, n_cycles=timing.n_cycles,
-             state_finite=finite, status="ok" if (row["gate"]["passed"] and finite) else "gate-failed")
+  summary = timing.ms_per(buffer_len)
+  row.update(ms_per_step=summary.pop("ms"), **summary, state_finite=finite,
+             status="ok" if (row["gate"]["passed"] and finite) else "gate-failed")
   return row, view
 
 
@@ -295,11 +291,11 @@ def main(argv=None) -> dict:
           + (f" [{r['status']}: {r['error'] or _gate_summary(r['gate'])}]" if r["status"] != "ok" else "")
           for r in group))
   text = table(rows)
-  result = {"meta": common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.model_spec"),
+  result = {"meta": common.run_metadata(argv, "bench.model_spec"),
             "stack": args.stack, "geometry": geometry, "dtype": jnp.dtype(dtype).name,
             "ring_dtype": "bfloat16", "state_dtype": "float32", "rows": rows}
   if args.out_json:
-    pathlib.Path(args.out_json).write_text(json.dumps(common.to_jsonable(result), indent=1))
+    common.write_json(args.out_json, result)
   if args.markdown:
     pathlib.Path(args.markdown).write_text(f"## Model speculative verify ({args.stack} stack)\n\n" + text + "\n")
   print(text)

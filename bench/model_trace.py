@@ -11,7 +11,7 @@ then ``--cycles`` cycles of L steps run under ``jax.profiler.trace(create_perfet
 the trace's complete events on GPU stream threads are summed by kernel name and divided by the
 number of steps: microseconds and launches per model step (all layers). This measures kernels in
 place, inside the model, where bench/mamba2_decode.py and bench/gdn_decode.py measure a layer
-alone (bench/NOTES.md item 29: the two can disagree).
+alone (the two can disagree).
 """
 import argparse
 import collections
@@ -19,7 +19,6 @@ import glob
 import gzip
 import json
 import pathlib
-import sys
 import tempfile
 
 import jax
@@ -106,11 +105,11 @@ def main(argv=None) -> dict:
                                 [[f"{k['us_per_step']:.1f}", f"{k['launches_per_step']:.1f}", k["kernel"][:80]]
                                  for k in kernels[:args.top]]))
       runs.append({"mode": mode, "implementation": name, "us_per_step": total, "kernels": kernels})
-  result = {"meta": common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.model_trace"),
+  result = {"meta": common.run_metadata(argv, "bench.model_trace"),
             "stack": args.stack, "geometry": geometry, "batch": batch, "buffer_len": args.buffer_len,
             "cycles": args.cycles, "runs": runs}
   if args.out_json:
-    pathlib.Path(args.out_json).write_text(json.dumps(common.to_jsonable(result), indent=1))
+    common.write_json(args.out_json, result)
   return result
 
 

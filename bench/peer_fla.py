@@ -38,7 +38,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -211,7 +210,7 @@ def main(argv=None) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
   except ValueError:
     p.error(f"--batches={args.batches!r}; expected comma-separated ints")
-  meta = common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.peer_fla")
+  meta = common.run_metadata(argv, "bench.peer_fla")
   try:
     torch, peer = load_peer()
   except ImportError as e:
@@ -235,7 +234,7 @@ def main(argv=None) -> dict:
   rows = compare(ours["rows"], peers, ceiling)
   result = {"meta": meta, "ceiling_gbps": ceiling, "rows": rows, "peer_rows": peers}
   if args.out_json:
-    args.out_json.write_text(json.dumps(common.to_jsonable(result), indent=1))
+    common.write_json(args.out_json, result)
   print(table(rows))
   return result
 

@@ -19,9 +19,6 @@ MLPs and head replicated). Two parts:
 Rows are appended to ``--out-json`` as they finish, so a run cut short keeps what it measured.
 """
 import argparse
-import json
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -39,14 +36,12 @@ def greedy_run(decode, prefill, cache, prompts, lengths, steps):
   slots = jnp.arange(prompts.shape[0], dtype=jnp.int32)
   logits, cache = prefill(prompts, cache, slots, lengths)
   tok = jnp.argmax(jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0], -1)
-  out, bar = [], common.progress(steps, desc="greedy")
+  out = []
   for _ in range(steps):
     tok = tok.astype(jnp.int32)
     out.append(np.asarray(tok))
     logits, cache = decode(tok, cache, slots)
     tok = jnp.argmax(logits, -1)
-    bar.update(1)
-  bar.close()
   return np.stack(out), cache
 
 
@@ -131,13 +126,13 @@ def main(argv=None) -> dict:
   if jax.device_count() < 2:
     raise SystemExit(f"bench.tp_decode needs >= 2 devices; found {jax.devices()}")
   mesh = Mesh(np.array(jax.devices()), ("tp",))
-  result = {"meta": common.run_metadata(list(argv if argv is not None else sys.argv[1:]), "bench.tp_decode"),
+  result = {"meta": common.run_metadata(argv, "bench.tp_decode"),
             "devices": [str(d) for d in jax.devices()], "geometry": geometry, "rows": []}
 
   def save(rows):
     result["rows"] += rows
     if args.out_json:
-      pathlib.Path(args.out_json).write_text(json.dumps(common.to_jsonable(result), indent=1))
+      common.write_json(args.out_json, result)
 
   save(equality(geometry, mesh, steps=steps, batch=4, buffer_len=args.buffer_len))
   if not args.skip_timing:

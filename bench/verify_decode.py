@@ -35,7 +35,6 @@ with their slots and inputs made once per call, as in bench/harness.py; carry do
 """
 import argparse
 import dataclasses
-import json
 import math
 import pathlib
 import sys
@@ -284,11 +283,9 @@ def run_arm(setup: Setup, arm: str, args) -> dict:
   except NotImplementedError as e:
     row.update(status="skipped", error=f"{type(e).__name__}: {e}")
     return row
-  units = setup.cycle_steps * setup.layers
-  ms = [x / units * 1e3 for x in timing.per_cycle()]
-  med, p20, p80 = common.quantiles(ms)
-  row.update(ms_per_layer_step=ms, median_ms=med, p20_ms=p20, p80_ms=p80, n_cycles=timing.n_cycles,
-             finite=finite, status="ok" if (row["gate"]["passed"] and finite) else "gate-failed")
+  summary = timing.ms_per(setup.cycle_steps * setup.layers)   # per layer-step
+  row.update(ms_per_layer_step=summary.pop("ms"), **summary, finite=finite,
+             status="ok" if (row["gate"]["passed"] and finite) else "gate-failed")
   return row
 
 
@@ -445,7 +442,7 @@ def main(argv=None) -> dict:
   text = render(rows, memory)
   print(text)
   if args.out_json:
-    args.out_json.write_text(json.dumps(common.to_jsonable(result), indent=1))
+    common.write_json(args.out_json, result)
   if args.markdown:
     args.markdown.write_text("# Speculative verify benchmark\n\n" + text)
   return result

@@ -4,6 +4,7 @@ Checks the result file's fields, the byte model against hand-computed numbers, t
 cursor checks, and that a wrong kernel fails the gate and gets no speedup.
 """
 import json
+import types
 
 import jax
 import jax.extend
@@ -26,9 +27,13 @@ ROW_FIELDS = ("arm", "label", "impl", "family", "route", "state_dtype", "batch",
 
 
 @pytest.mark.slow
-def test_smoke_run_writes_complete_results(tmp_path):
+def test_smoke_run_writes_complete_results(tmp_path, emulated_peers):
+  """The default arms, the small-batch policy's arm (plan(flush_all=True) every step: gated against
+  XLA under the same plan policy, its cursor checks expecting empty windows) and SGLang's two
+  (kernels emulated: see ``_fake_triton_call``)."""
   out, md, png = tmp_path / "r.json", tmp_path / "RESULTS.md", tmp_path / "p.png"
-  result = gdn_decode.main(["--smoke", "--out-json", str(out), "--markdown", "--results-md", str(md),
+  arms = ",".join(gdn_decode.DEFAULT_ARMS + ("replay-pallas-flushall", "peer-sglang-conv", "peer-sglang-replay"))
+  result = gdn_decode.main(["--smoke", "--arms", arms, "--out-json", str(out), "--markdown", "--results-md", str(md),
                             "--plot", str(png)])
   data = json.loads(out.read_text())
   assert data["rows"] and len(data["rows"]) == len(result["rows"])
@@ -62,10 +67,11 @@ def test_smoke_run_writes_complete_results(tmp_path):
         assert r["speedup_vs_conv"] > 0 and r["speedup_vs_xla"] > 0
   if not pallas_missing:
     assert by_label[("conv-pallas#2", None)]["repeat"]
+  _check_peer_rows({r["label"]: r for r in data["rows"]})
 
   text = md.read_text()
   assert text.startswith("# replayssm_jax benchmark results")
-  assert "## GDN decode" in text and "| replay-xla |" in text
+  assert "## GDN decode" in text and "| replay-xla |" in text and "| x peer |" in text
   pytest.importorskip("matplotlib")
   assert png.stat().st_size > 1000
 
@@ -124,18 +130,19 @@ def test_launch_config_strings():
 
 
 @pytest.mark.slow
-def test_mamba2_smoke_run(tmp_path):
+def test_mamba2_smoke_run(tmp_path, emulated_peers):
   """``python -m bench.mamba2_decode --smoke`` end to end (one Pallas arm per family: interpreted
-  Pallas programs take seconds each to compile on CPU)."""
+  Pallas programs take seconds each to compile on CPU), with the vLLM and mamba_ssm peer arms
+  (kernels emulated)."""
   from bench import mamba2_decode  # noqa: PLC0415
   out, md = tmp_path / "r.json", tmp_path / "RESULTS.md"
-  mamba2_decode.main(["--smoke", "--arms", "conv-pallas,replay-pallas-oo,replay-xla", "--repeat-arm",
-                      "none", "--out-json", str(out), "--markdown", "--results-md", str(md)])
+  mamba2_decode.main(["--smoke", "--arms", "conv-pallas,replay-pallas-oo,replay-xla,peer-mamba-ssm-conv,peer-vllm-replay",
+                      "--repeat-arm", "none", "--out-json", str(out), "--markdown", "--results-md", str(md)])
   data = json.loads(out.read_text())
   assert data["meta"]["command"].startswith("python -m bench.mamba2_decode --smoke")
   assert data["ceiling"]["gbps"] > 0 and {"conv", "replay"} <= set(data["bytes_model"])
   rows = {r["label"]: r for r in data["rows"]}
-  assert set(rows) == {"conv-pallas", "replay-pallas-oo", "replay-xla"}
+  assert set(rows) == {"conv-pallas", "replay-pallas-oo", "replay-xla", "peer-mamba-ssm-conv", "peer-vllm-replay"}
   for r in rows.values():
     for field in ROW_FIELDS:
       assert field in r, (r["label"], field)
@@ -145,6 +152,7 @@ def test_mamba2_smoke_run(tmp_path):
   oo = rows["replay-pallas-oo"]
   assert oo["checks"]["cursor_count_back"] and oo["checks"]["cursor_base_advanced"]
   assert oo["speedup_vs_conv"] > 0 and oo["speedup_vs_xla"] > 0
+  _check_peer_rows(rows)
   assert "## Mamba2 decode" in md.read_text()
 
 
@@ -262,13 +270,12 @@ def test_verify_decode_smoke(tmp_path):
 @pytest.mark.slow
 def test_verify_decode_mosaic_variants(tmp_path):
   """``--variants`` reaches the Mosaic arm's wrapper too: rows=2 (two batch rows per program)
-  runs, passes its gate and is labelled; the default config runs beside it."""
+  runs, passes its gate and is labelled (one interpreted Mosaic arm: each costs ~20 s on CPU)."""
   from bench import verify_decode  # noqa: PLC0415
   out = tmp_path / "v.json"
-  verify_decode.main(["--smoke", "--arms", "replay-mosaic", "--variants", ",rows=2",
-                      "--out-json", str(out)])
+  verify_decode.main(["--smoke", "--arms", "replay-mosaic", "--variants", "rows=2", "--out-json", str(out)])
   rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
-  assert set(rows) == {"replay-mosaic", "replay-mosaic[rows=2]"}
+  assert set(rows) == {"replay-mosaic[rows=2]"}
   for r in rows.values():
     assert r["status"] == "ok" and r["gate"]["passed"], (r["arm"], r["error"], r.get("gate"))
   # Each arm runs the variants its wrapper takes; a variant no arm takes is refused.
@@ -334,18 +341,6 @@ def test_tp_decode_smoke(tmp_path):
   assert [r["mode"] for r in rows] == ["replay", "conventional"] and {r["part"] for r in rows} == {"equality"}
   for r in rows:
     assert r["tokens_identical"] and r["cache_max_abs_diff"] < 1e-4 and r["devices"] == 2, r
-
-
-def test_flush_all_arm_gates_against_its_own_reference(tmp_path):
-  """The small-batch policy's arm (plan(flush_all=True) every step) is gated against XLA under the
-  same plan policy, and its cursor checks expect empty windows."""
-  out = tmp_path / "f.json"
-  gdn_decode.main(["--smoke", "--arms", "conv-pallas,replay-pallas-flushall", "--repeat-arm", "none",
-                   "--out-json", str(out)])
-  rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
-  row = rows["replay-pallas-flushall"]
-  assert row["status"] == "ok" and row["gate"]["passed"], row
-  assert row["checks"]["cursor_count_back"] and row["checks"]["cursor_base_advanced"], row["checks"]
 
 
 def test_model_trace_sums_stream_kernels_per_step():
@@ -561,3 +556,196 @@ def test_gdn_breakdown_runs_each_pass():
   rows = gdn_breakdown.main(["--batch", "2", "--buffer-len", "2", "--layers", "1", "--config", "ft2",
                              "--reps", "1", "--rep-seconds", "0.001"])
   assert len(rows) == 5 and all(float(r[1]) > 0 for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Peer arms (bench.peer_*): jax_triton has no CPU path, so their kernels are emulated here in the
+# peers' calling conventions (the semantics their sources document), and the harness gates them
+# against XLA and the float64 oracle exactly as on the GPU. What is checked is ours: input packing
+# and gate conversion, ring layout conversion, cursor marshalling, aliasing indices, scalar types.
+
+_PEER_KERNELS = types.SimpleNamespace(
+    sglang_replay_decode="sglang_replay", sglang_packed_decode="sglang_packed", precompute="vllm_precompute",
+    replay="vllm_replay", update="mamba_ssm_update", config=lambda kernel, dstate, L: (16, 1, 64, 128, 2))
+
+
+def _scatter_rows(a, idx, keep, values):
+  """``a`` with a[idx[b]] = values[b] where keep[b] (other rows dropped)."""
+  return a.at[jnp.where(keep, idx, a.shape[0])].set(values.astype(a.dtype), mode="drop")
+
+
+def _sglang_replay(mixed, a, b, A_log, dt_bias, h0, d, kc, gc, idx, wp, scale, *, H, HV, K, V, L, **_):
+  B, r = mixed.shape[0], HV // H
+  f = lambda x: x.astype(jnp.float32)
+  q, k = f(mixed[:, :H * K]).reshape(B, H, K), f(mixed[:, H * K:2 * H * K]).reshape(B, H, K)
+  v = f(mixed[:, 2 * H * K:]).reshape(B, HV, V)
+  alpha = jnp.exp(-jnp.exp(A_log) * jax.nn.softplus(a + dt_bias))
+  beta = jax.nn.sigmoid(b)
+  live = jnp.arange(L)[None, :] < wp[:, None]                                     # [B, L]
+  g = jnp.where(live[:, None], f(gc[idx]), 0.0)                                    # [B, HV, L]
+  w = jnp.where(live[:, None], jnp.exp(g.sum(-1, keepdims=True) - jnp.cumsum(g, -1)), 0.0)
+  kk = jnp.repeat(f(kc[idx]), r, axis=1)                                           # [B, HV, L, K]
+  S = (jnp.exp(g.sum(-1))[..., None, None] * f(h0[idx])
+       + jnp.einsum("bhj,bhjv,bhjk->bhvk", w, f(d[idx]), kk))
+  kh, qh = jnp.repeat(k, r, axis=1), jnp.repeat(q, r, axis=1) * scale
+  S = alpha[..., None, None] * S
+  u = beta[..., None] * (v - jnp.einsum("bhvk,bhk->bhv", S, kh))
+  o = jnp.einsum("bhvk,bhk->bhv", S, qh) + u * jnp.sum(kh * qh, -1)[..., None]
+  flush = wp == L - 1
+  h0 = _scatter_rows(h0, idx, flush, S + u[..., None] * kh[..., None, :])
+  pos = lambda c: c.at[jnp.where(flush, c.shape[0], idx), :, wp]
+  d = pos(d).set(u.astype(d.dtype), mode="drop")
+  kc = pos(kc).set(k.astype(kc.dtype), mode="drop")
+  gc = pos(gc).set(jnp.log(alpha), mode="drop")
+  return o[:, None].astype(mixed.dtype), h0, d, kc, gc
+
+
+def _sglang_packed(mixed, a, b, A_log, dt_bias, h0, idx, scale, *, H, HV, K, V, **_):
+  B, r = mixed.shape[0], HV // H
+  f = lambda x: x.astype(jnp.float32)
+  q, k = f(mixed[:, :H * K]).reshape(B, H, K), f(mixed[:, H * K:2 * H * K]).reshape(B, H, K)
+  kh, qh = jnp.repeat(k, r, axis=1), jnp.repeat(q, r, axis=1) * scale
+  S = jnp.exp(-jnp.exp(A_log) * jax.nn.softplus(a + dt_bias))[..., None, None] * f(h0[idx])
+  u = jax.nn.sigmoid(b)[..., None] * (f(mixed[:, 2 * H * K:]).reshape(B, HV, V) - jnp.einsum("bhvk,bhk->bhv", S, kh))
+  S = S + u[..., None] * kh[..., None, :]
+  o = jnp.einsum("bhvk,bhk->bhv", S, qh)
+  return o[:, None].astype(mixed.dtype), _scatter_rows(h0, idx, idx >= 0, S)
+
+
+def _vllm_precompute(B, C, Bc, wp, is_flush, idx, *, L, **_):
+  cur = jnp.arange(L)[None, :, None] == wp[:, None, None]                             # [B, L, 1]
+  B_all = jnp.where(cur[:, None], B[:, :, None].astype(jnp.float32), Bc[idx].astype(jnp.float32))
+  return jnp.einsum("bgjn,bgn->bgj", B_all, C.astype(jnp.float32))
+
+
+def _vllm_replay(pool, seed, x, dt, dt_bias, A, B, C, D, z, xc, dtc, Bc, bc, wp, is_flush, idx, *, L, ngroups,
+                 **_):
+  f = lambda t: t.astype(jnp.float32)
+  r = x.shape[1] // ngroups
+  dt_cur = jax.nn.softplus(f(dt) + dt_bias)                                          # [B, H]
+  j = jnp.arange(L)[None, None, :]
+  cur, hist = j == wp[:, None, None], j < wp[:, None, None]                          # [B, 1, L]
+  dt_all = jnp.where(cur, dt_cur[..., None], jnp.where(hist, dtc[idx], 0.0))          # [B, H, L]
+  cum, tot = A[:, None] * jnp.cumsum(dt_all, -1), A * dt_all.sum(-1)
+  scale = jnp.where(cur | hist, dt_all * jnp.exp(tot[..., None] - cum), 0.0)
+  x_all = jnp.where(cur[..., None], f(x)[:, :, None], f(xc[idx]))                     # [B, H, L, P]
+  B_all = jnp.where(cur[..., None], f(B)[:, :, None], f(Bc[idx]))                     # [B, G, L, N]
+  Ch, S0 = jnp.repeat(f(C), r, axis=1), f(pool[idx])
+  flush = is_flush != 0
+  S_new = jnp.exp(tot)[..., None, None] * S0 + jnp.einsum("bhj,bhjp,bhjn->bhpn", scale, x_all,
+                                                           jnp.repeat(B_all, r, axis=1))
+  y_window = (jnp.exp(tot)[..., None] * jnp.einsum("bhpn,bhn->bhp", S0, Ch)
+              + jnp.einsum("bhjp,bhj->bhp", x_all, scale * jnp.repeat(bc, r, axis=1)))
+  y = jnp.where(flush[:, None, None], jnp.einsum("bhpn,bhn->bhp", S_new, Ch), y_window)
+  y = (y + D[:, None] * f(x)) * f(z) * jax.nn.sigmoid(f(z))
+  at = lambda c: c.at[jnp.where(flush, c.shape[0], idx), :, wp]
+  return (y.astype(x.dtype), _scatter_rows(pool, idx, flush, S_new), at(xc).set(x.astype(xc.dtype), mode="drop"),
+          at(dtc).set(dt_cur, mode="drop"), at(Bc).set(B.astype(Bc.dtype), mode="drop"))
+
+
+def _mamba_ssm_update(S, x, dt, dt_bias, A, B, C, D, z, idx, *, ngroups, **_):
+  f = lambda t: t.astype(jnp.float32)
+  r = x.shape[1] // ngroups
+  delta = jax.nn.softplus(f(dt) + dt_bias)
+  St = (jnp.exp(delta * A)[..., None, None] * f(S[idx])
+        + (delta[..., None] * f(x))[..., None] * jnp.repeat(f(B), r, axis=1)[:, :, None, :])
+  y = jnp.einsum("bhpn,bhn->bhp", St, jnp.repeat(f(C), r, axis=1)) + D[:, None] * f(x)
+  return _scatter_rows(S, idx, idx >= 0, St), (y * f(z) * jax.nn.sigmoid(f(z))).astype(x.dtype)
+
+
+_EMULATED = {"sglang_replay": _sglang_replay, "sglang_packed": _sglang_packed, "vllm_precompute": _vllm_precompute,
+             "vllm_replay": _vllm_replay, "mamba_ssm_update": _mamba_ssm_update}
+
+
+def _fake_triton_call(*args, kernel, out_shape, grid, input_output_aliases=None, num_warps=None,
+                      num_stages=None, **meta):
+  """jax_triton.triton_call's contract, checked, around an emulated kernel: aliases index the array
+  arguments only, an aliased output has its input's shape and dtype, float scalars are np.float32
+  (a Python float would reach the kernel as fp64), every grid extent is a positive int."""
+  arrays = [a for a in args if not isinstance(a, (bool, int, float, np.floating))]
+  assert all(isinstance(a, np.float32) for a in args if isinstance(a, (float, np.floating))), args
+  outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
+  for i, j in (input_output_aliases or {}).items():
+    assert (arrays[i].shape, arrays[i].dtype) == (outs[j].shape, outs[j].dtype), (kernel, i, j)
+  assert all(isinstance(g, int) and g > 0 for g in grid), grid
+  got = _EMULATED[kernel](*args, **meta)
+  got = got if isinstance(got, tuple) else (got,)
+  assert [(o.shape, o.dtype) for o in got] == [(o.shape, o.dtype) for o in outs], kernel
+  return list(got) if isinstance(out_shape, (list, tuple)) else got[0]
+
+
+@pytest.fixture
+def emulated_peers(monkeypatch):
+  from bench import peer_common  # noqa: PLC0415
+  monkeypatch.setattr(peer_common.Peer, "kernels", lambda self: _PEER_KERNELS)
+  monkeypatch.setattr(peer_common, "triton_call", _fake_triton_call)
+
+
+def _check_peer_rows(rows):
+  """Peer rows (kernels emulated) passed their gate like ours; the replay peer ran on its own setup
+  (ring base 0) with cursors advancing; our rows got an "x peer" speed-up against the peer of their kind."""
+  peers = {r["family"]: r for r in rows.values() if r["impl"] == "peer"}
+  assert set(peers) == {"conv", "replay"}
+  for r in peers.values():
+    assert r["status"] == "ok" and r["gate"]["passed"], (r["arm"], r["error"], r.get("gate"))
+    assert r["gate"]["oracle_o_rel"] <= r["gate"]["tol_rel"] and r["speedup_vs_peer"] is None
+  assert peers["replay"]["ring_layout"] and peers["replay"]["checks"]["cursor_base_advanced"]
+  for r in rows.values():
+    if r["impl"] != "peer" and not r["repeat"] and r["status"] == "ok":
+      assert r["speedup_vs_peer_basis"] == peers[r["family"]]["arm"] and r["speedup_vs_peer"] > 0, r["label"]
+
+
+def test_missing_peers_are_skipped_rows(tmp_path):
+  """On CPU (no jax_triton path) every peer arm is a skipped row that says why; the run goes on."""
+  from bench import peer_vllm  # noqa: PLC0415
+  out = tmp_path / "skip.json"
+  peer_vllm.main(["--smoke", "--arms", "peer-vllm-replay,peer-mamba-ssm-conv", "--out-json", str(out)])
+  data = json.loads(out.read_text())
+  rows = {r["arm"]: r for r in data["rows"]}
+  assert data["meta"]["command"].startswith("python -m bench.peer_vllm --smoke")
+  assert {"peer-vllm-replay", "peer-mamba-ssm-conv", "replay-mosaic-rc"} <= set(peer_vllm.DEFAULT_ARMS)
+  for arm in ("peer-vllm-replay", "peer-mamba-ssm-conv"):
+    assert rows[arm]["status"] == "skipped" and "CUDA" in rows[arm]["error"], rows[arm]
+  assert data["meta"]["peers"]["status"]["vllm"].startswith("peer vllm unavailable")
+
+
+def test_vllm_ring_layout_round_trips():
+  """The vLLM arm's buffers are ours in its form (x = Δx / Δ, Δ = ΔA / A): converted back they are
+  ours again, so the gate compares peer and ours on the same history."""
+  from bench import peer_vllm  # noqa: PLC0415
+  from replayssm_jax.mamba2.buffers import ReplayBuffers  # noqa: PLC0415
+  N, H, G, R, P, Ns = 3, 4, 2, 8, 8, 16
+  A = -common.hash_uniform(1, (H,), 1.0, 2.0)
+  ours = ReplayBuffers(state=common.hash_normal(2, (N, H, P, Ns)),
+                       ring_x=(0.05 * common.hash_normal(3, (N, H, R, P))).astype(jnp.bfloat16),
+                       ring_B=common.hash_normal(4, (N, G, R, Ns)).astype(jnp.bfloat16),
+                       ring_a=-common.hash_uniform(5, (N, H, R), 0.01, 0.5))
+  ring = peer_vllm.LAYOUT.from_ours(ours, {"A": A})
+  np.testing.assert_allclose(np.asarray(ring.dt_cache), np.asarray(ours.ring_a / A[None, :, None]), rtol=1e-6)
+  back = peer_vllm.LAYOUT.to_ours(ring, {"A": A})
+  np.testing.assert_allclose(np.asarray(back.ring_a), np.asarray(ours.ring_a), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(back.ring_x, np.float32), np.asarray(ours.ring_x, np.float32), rtol=1e-2)
+  assert back.ring_B is ours.ring_B and back.state is ours.state
+
+
+def test_verify_drift_smoke(capsys):
+  """``python -m bench.verify_drift --smoke`` (a few steps): every arm's materialized state stays near
+  the float32 conventional verify's (bf16 checkpoints at bf16 rounding)."""
+  from bench import verify_drift  # noqa: PLC0415
+  verify_drift.main(["--smoke", "--steps", "3"])
+  lines = [line.split() for line in capsys.readouterr().out.splitlines() if line[:5].strip().isdigit()]
+  assert [int(line[0]) for line in lines] == [1, 2, 3]
+  errors = np.array([[float(x) for x in line[1:]] for line in lines])
+  assert errors.shape == (3, 4) and np.all(np.isfinite(errors)) and errors.max() < 2e-2, errors
+
+
+def test_model_trace_smoke(tmp_path):
+  """``python -m bench.model_trace --smoke``: the traced loop runs and is recorded (a CPU trace has no
+  GPU stream, so no kernel is listed)."""
+  from bench import model_trace  # noqa: PLC0415
+  out = tmp_path / "t.json"
+  result = model_trace.main(["--smoke", "--cycles", "1", "--buffer-len", "4", "--out-json", str(out)])
+  data = json.loads(out.read_text())
+  assert data["meta"]["command"].startswith("python -m bench.model_trace --smoke")
+  assert [(r["mode"], r["implementation"]) for r in result["runs"]] == [("replay", "none")]
+  assert data["runs"][0]["kernels"] == [] and data["runs"][0]["us_per_step"] == 0
