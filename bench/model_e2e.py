@@ -18,7 +18,7 @@ mixers (GatedDeltaNet / Mamba2 decode with their conv state; replay and conventi
 projection, argmax). Their sum next to the measured step shows what the rest (embedding, norms,
 residuals, fusion across layers) costs.
 
-    python -m bench.model_e2e --presets qwen3.5-4b,nemotron-h-8b --batches 1,8,32,128,256,512 --contexts 1024,8192 --parts
+    python -m bench.model_e2e --presets qwen3.5-4b,nemotron-h-8b --batches 1,8,32,128,256,512 --contexts 1024,8192 --parts 256
     python -m bench.model_e2e --smoke            # CPU: the tiny checkpoints' shapes (tests/data/hf)
 """
 import argparse
@@ -151,70 +151,99 @@ def model_parts(model) -> list:
   return parts
 
 
-def time_part(model, part, batch, *, context, buffer_len, replay, reps, rep_seconds):
-  """ms per model step spent in this part (one layer's time × its count)."""
-  cache = prepared_cache(model, batch, context=context, buffer_len=buffer_len, replay=replay)
+def _part_state(model, part, cache):
   if part.kind == "recurrent":
-    state = (cache.layers[part.layer], cache.cursor)
-  elif part.kind == "attention":
-    state = cache.layers[part.layer]
-  else:
-    state = jnp.zeros((), jnp.int32)
-  del cache
-  x = common.hash_normal(7, (batch, model.config.hidden_size)).astype(model.config.dtype)
-  graphdef, params = nnx.split(part.module)
-  fn = _part_loop(graphdef, part.kind, replay=replay, buffer_len=buffer_len, context=context)
-  _, timing = common.time_loop(lambda c, n: fn(params, c, jnp.int32(n)), (x, state), reps=reps,
+    return cache.layers[part.layer], cache.cursor
+  if part.kind == "attention":
+    return cache.layers[part.layer]
+  return jnp.zeros((), jnp.int32)
+
+
+def _compiled(programs: dict, workers: int) -> dict:
+  """{key: compiled} from {key: (jitted fn, abstract args)}: lowered here, compiled in parallel."""
+  lowered = {k: fn.lower(*args) for k, (fn, args) in programs.items()}
+  out = {}
+  for key, (res, _) in common.compile_all(lowered, workers).items():
+    if isinstance(res, Exception):
+      raise res
+    out[key] = res
+  return out
+
+
+def _timed(compiled, params, carry, *, buffer_len, reps, rep_seconds):
+  _, timing = common.time_loop(lambda c, n: compiled(params, c, jnp.int32(n)), carry, reps=reps,
                                rep_seconds=rep_seconds)
   med, p20, p80 = common.quantiles([1e3 * t / buffer_len for t in timing.per_cycle()])
-  return {"part": part.label, "kind": part.kind, "layers": part.count, "ms_per_layer": med,
-          "ms_per_step": med * part.count, "p20_ms_per_layer": p20, "p80_ms_per_layer": p80}
+  return med, p20, p80, timing.n_cycles
 
 
 # ---- the run ---------------------------------------------------------------------------------
 
-def measure_step(model, batch, *, mode, context, buffer_len, reps, rep_seconds):
-  graphdef, params = nnx.split(model)
-  cache = prepared_cache(model, batch, context=context, buffer_len=buffer_len, replay=MODES[mode])
-  fn = _step_loop(graphdef, replay=MODES[mode], buffer_len=buffer_len, context=context)
-  carry = (jnp.ones((batch,), jnp.int32), cache)
-  _, timing = common.time_loop(lambda c, n: fn(params, c, jnp.int32(n)), carry, reps=reps,
-                               rep_seconds=rep_seconds)
-  med, p20, p80 = common.quantiles([1e3 * t / buffer_len for t in timing.per_cycle()])
-  return {"mode": mode, "batch": batch, "context": context, "buffer_len": buffer_len, "median_ms": med,
-          "p20_ms": p20, "p80_ms": p80, "tokens_per_s": batch / (med / 1e3), "cycles": timing.n_cycles}
-
-
-def run_preset(name, *, batches, contexts, parts, reps, rep_seconds):
+def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers):
+  """Lowers every (context, B, mode) step program and part, compiles them in parallel, then times
+  them one after the other."""
   config = model_config(name)
   buffer_len = BUFFER_LEN.get(name, 8)
   model = make_model(config, seed=0)
-  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  common.log(f"{name}: {config.num_layers} layers ({', '.join(f'{config.layer_types.count(k)} {k}' for k in dict.fromkeys(config.layer_types))}), "
-             f"{param_bytes / 2**30:.1f} GiB of parameters, L={buffer_len}")
-  rows, part_rows = [], []
+  graphdef, params = nnx.split(model)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  kinds = ", ".join(f"{config.layer_types.count(k)} {k}" for k in dict.fromkeys(config.layer_types))
+  common.log(f"{name}: {config.num_layers} layers ({kinds}), {param_bytes / 2**30:.1f} GiB of parameters, "
+             f"L={buffer_len}")
+  the_parts = model_parts(model)
+  rows, part_rows, programs, shapes = [], [], {}, []
   for context in contexts:
     for batch in batches:
       need = param_bytes + cache_bytes(model, batch, context + buffer_len, buffer_len)
       if need > MEMORY_BUDGET:
         common.log(f"  C={context} B={batch}: skipped, {need / 2**30:.0f} GiB > {MEMORY_BUDGET / 2**30:.0f} GiB")
-        rows.append({"preset": name, "batch": batch, "context": context, "skipped": "memory",
-                     "bytes": need})
+        rows.append({"preset": name, "batch": batch, "context": context, "skipped": "memory", "bytes": need})
         continue
-      group = [dict(measure_step(model, batch, mode=m, context=context, buffer_len=buffer_len, reps=reps,
-                                 rep_seconds=rep_seconds), preset=name) for m in MODES]
-      group[1]["speedup_vs_conv"] = group[0]["median_ms"] / group[1]["median_ms"]
-      rows += group
-      common.log(f"  C={context} B={batch}: conventional {group[0]['median_ms']:.3f} ms, replay "
-                 f"{group[1]['median_ms']:.3f} ms/step ({group[1]['speedup_vs_conv']:.2f}x), "
-                 f"{group[1]['tokens_per_s']:.0f} tokens/s")
-      if parts:
-        for part in model_parts(model):
-          for mode in (MODES if part.kind == "recurrent" else ("conventional",)):
-            r = time_part(model, part, batch, context=context, buffer_len=buffer_len, replay=MODES[mode],
-                          reps=reps, rep_seconds=rep_seconds)
-            part_rows.append(dict(r, preset=name, batch=batch, context=context,
-                                  mode=mode if part.kind == "recurrent" else "both"))
+      shapes.append((context, batch))
+      tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
+      x = jax.ShapeDtypeStruct((batch, config.hidden_size), config.dtype)
+      for mode, replay in MODES.items():
+        cache = jax.eval_shape(lambda: prepared_cache(model, batch, context=context, buffer_len=buffer_len,
+                                                      replay=replay))
+        fn = _step_loop(graphdef, replay=replay, buffer_len=buffer_len, context=context)
+        programs[("step", context, batch, mode)] = (fn, (params, (tok, cache), jnp.int32(1)))
+        for i, part in enumerate(the_parts if parts is True or (parts and batch in parts) else []):
+          if part.kind == "recurrent" or mode == "conventional":
+            pg, pp = nnx.split(part.module)
+            fn = _part_loop(pg, part.kind, replay=replay, buffer_len=buffer_len, context=context)
+            programs[("part", context, batch, mode, i)] = (
+                fn, (pp, (x, _part_state(model, part, cache)), jnp.int32(1)))
+  t0 = common.elapsed()
+  compiled = _compiled(programs, workers)
+  common.log(f"  compiled {len(compiled)} programs in {common.elapsed() - t0:.0f} s ({workers} workers)")
+  timed = lambda key, params, carry: _timed(compiled[key], params, carry, buffer_len=buffer_len, reps=reps,
+                                            rep_seconds=rep_seconds)
+  for context, batch in shapes:
+    group = []
+    for mode, replay in MODES.items():
+      cache = prepared_cache(model, batch, context=context, buffer_len=buffer_len, replay=replay)
+      med, p20, p80, cycles = timed(("step", context, batch, mode), params, (jnp.ones((batch,), jnp.int32), cache))
+      group.append({"preset": name, "mode": mode, "batch": batch, "context": context, "buffer_len": buffer_len,
+                    "median_ms": med, "p20_ms": p20, "p80_ms": p80, "tokens_per_s": batch / (med / 1e3),
+                    "cycles": cycles})
+      for i, part in enumerate(the_parts):
+        key = ("part", context, batch, mode, i)
+        if key not in compiled:
+          continue
+        # One layer's cache (the rest of the model's cache is freed at once).
+        state = _part_state(model, part, prepared_cache(model, batch, context=context, buffer_len=buffer_len,
+                                                        replay=replay))
+        x = common.hash_normal(7, (batch, config.hidden_size)).astype(config.dtype)
+        med_p, p20_p, p80_p, _ = timed(key, nnx.split(part.module)[1], (x, state))
+        part_rows.append({"preset": name, "batch": batch, "context": context, "part": part.label,
+                          "kind": part.kind, "layers": part.count, "ms_per_layer": med_p,
+                          "ms_per_step": med_p * part.count, "p20_ms_per_layer": p20_p,
+                          "p80_ms_per_layer": p80_p, "mode": mode if part.kind == "recurrent" else "both"})
+    group[1]["speedup_vs_conv"] = group[0]["median_ms"] / group[1]["median_ms"]
+    rows += group
+    common.log(f"  C={context} B={batch}: conventional {group[0]['median_ms']:.3f} ms, replay "
+               f"{group[1]['median_ms']:.3f} ms/step ({group[1]['speedup_vs_conv']:.2f}x), "
+               f"{group[1]['tokens_per_s']:.0f} tokens/s")
   return {"preset": name, "config": config.to_dict(), "buffer_len": buffer_len,
           "param_bytes": param_bytes, "rows": rows, "parts": part_rows}
 
@@ -274,9 +303,11 @@ def main(argv=None) -> dict:
   p.add_argument("--presets", default="qwen3.5-4b,nemotron-h-8b", help="comma-separated preset names")
   p.add_argument("--batches", default="1,8,32,128,256,512")
   p.add_argument("--contexts", default="1024,8192", help="tokens already in each slot's KV cache")
-  p.add_argument("--parts", action="store_true", help="also time each kind of layer alone")
+  p.add_argument("--parts", nargs="?", const="all", default=None,
+                 help="also time each kind of layer alone: at every batch, or at the comma-separated ones given")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--rep-seconds", type=float, default=0.25)
+  p.add_argument("--compile-workers", type=int, default=8, help="programs compiled at once")
   p.add_argument("--out-json", default=None)
   p.add_argument("--plot", default=None, help="write the speed-up plot (PNG) here")
   args = p.parse_args(argv)
@@ -284,8 +315,10 @@ def main(argv=None) -> dict:
   batches = [2] if args.smoke else [int(b) for b in args.batches.split(",")]
   contexts = [8] if args.smoke else [int(c) for c in args.contexts.split(",")]
   reps, rep_seconds = (2, 0.01) if args.smoke else (args.reps, args.rep_seconds)
-  results = [run_preset(n, batches=batches, contexts=contexts, parts=args.parts or args.smoke, reps=reps,
-                        rep_seconds=rep_seconds) for n in names]
+  parts = True if args.smoke or args.parts == "all" else (
+      {int(b) for b in args.parts.split(",")} if args.parts else False)
+  results = [run_preset(n, batches=batches, contexts=contexts, parts=parts, reps=reps,
+                        rep_seconds=rep_seconds, workers=args.compile_workers) for n in names]
   print(_tables(results))
   out = {"meta": common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.model_e2e"),
          "results": results}

@@ -134,7 +134,7 @@ def test_padding_rows_and_lanes_write_nothing():
 
 def test_stale_entries_past_the_position_never_reach_an_output():
   """A recycled slot holding NaN (and huge) keys and values past the new sequence's end gives
-  the same outputs as a fresh slot."""
+  the same outputs as a fresh slot, once the new sequence's prefill (``fresh``) reset it."""
   layer = _layer(CONFIGS["qwen"])
   x = jnp.asarray(np.random.RandomState(3).normal(size=(1, 5, D)), jnp.float32)
   fresh, _ = layer.step(x, layer.init_cache(2, 8), jnp.array([1], jnp.int32), jnp.zeros(1, jnp.int32),
@@ -142,8 +142,11 @@ def test_stale_entries_past_the_position_never_reach_an_output():
   dirty = layer.init_cache(2, 8)
   dirty = AttentionLayerCache(k=dirty.k.at[1].set(jnp.nan), v=dirty.v.at[1].set(1e30).at[1, 6].set(jnp.nan))
   valid = jnp.array([[True, True, True, False, False]])
-  y, _ = layer.step(x, dirty, jnp.array([1], jnp.int32), jnp.zeros(1, jnp.int32), valid)
+  y, after = layer.step(x, dirty, jnp.array([1], jnp.int32), jnp.zeros(1, jnp.int32), valid, fresh=True)
   np.testing.assert_array_equal(np.asarray(y[0, :3]), np.asarray(fresh[0, :3]))
+  assert np.all(np.isfinite(np.asarray(after.k))) and np.all(np.isfinite(np.asarray(after.v[1])))
+  y, _ = layer.step(x, dirty, jnp.array([1], jnp.int32), jnp.zeros(1, jnp.int32), valid)
+  assert np.isnan(np.asarray(y[0, :3])).all()      # without the reset, the NaN values leak
 
 
 def test_checked_mode_refuses_a_cache_overflow(checked_mode):

@@ -15,7 +15,8 @@ Per token x ∈ R^D at absolute position p (H query heads, Hkv key/value heads, 
 Cache (``AttentionLayerCache``): keys (after rotary) and values ``[N, S, Hkv, Dh]`` per pool slot,
 S = ``max_len``. The model keeps one ``positions`` int32[N] for every layer (``LMCache``): slot n
 holds a sequence of ``positions[n]`` tokens at cache positions ``0 .. positions[n] - 1``; entries
-past it are stale and never read. Prefill, decode and speculative verify are the same step
+past it get zero weight (a prefill of a new sequence zeroes the slot's row first, so they are
+finite). Prefill, decode and speculative verify are the same step
 (``step``): write the new tokens' k, v at ``start[b] + t``, then attend over the slot's cache row
 with the causal mask ``j ≤ start[b] + t``. Rollback after verify is only the caller's position
 update (rejected drafts sit past the position and are overwritten later). Padding rows (slot < 0)
@@ -155,7 +156,7 @@ class Attention(nnx.Module):
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.rms_eps)
     return x * (self.config.norm_offset + weight[...].astype(f32))
 
-  def step(self, x, cache: AttentionLayerCache, slots, start, valid):
+  def step(self, x, cache: AttentionLayerCache, slots, start, valid, *, fresh=False):
     """T tokens per row at positions ``start[b] + t``: write their k, v, attend causally.
 
     Args:
@@ -165,6 +166,9 @@ class Attention(nnx.Module):
       start: int32[B] position of each row's first token (the slot's sequence length so far).
       valid: bool[B, T], True on the real tokens: a prefix of each row's lanes (right padding).
         Only valid lanes are written; outputs of other lanes are zero.
+      fresh: the rows start new sequences (a prefill from position 0): their slots' KV rows are
+        zeroed first, so nothing an earlier sequence left past the new position (even a
+        non-finite value) can reach a weighted sum through a zero weight.
 
     Returns:
       (y [B, T, D] in the layer dtype, cache).
@@ -198,18 +202,17 @@ class Attention(nnx.Module):
     # every index stays unique) and drop.
     live = (slots >= 0)[:, None] & valid
     row = jnp.where(live, slots[:, None], n + jnp.arange(bsz, dtype=jnp.int32)[:, None])
-    kc = cache.k.at[row, pos].set(k, mode="drop", unique_indices=True)
-    vc = cache.v.at[row, pos].set(v, mode="drop", unique_indices=True)
+    kc, vc = cache.k, cache.v
+    if fresh:
+      kc, vc = (_slots.scatter_rows(a, slots, jnp.zeros((bsz,) + a.shape[1:], a.dtype)) for a in (kc, vc))
+    kc = kc.at[row, pos].set(k, mode="drop", unique_indices=True)
+    vc = vc.at[row, pos].set(v, mode="drop", unique_indices=True)
 
     keys, values = _slots.gather(kc, slots), _slots.gather(vc, slots)                   # [B, S, Hkv, Dh]
-    j = jnp.arange(s, dtype=jnp.int32)
-    end = start + jnp.sum(valid, axis=1, dtype=jnp.int32)                                  # [B]
-    # Stale entries past a row's end are zeroed so that nothing left by an earlier sequence in
-    # the slot (even a non-finite value) reaches the weighted sum through a zero weight.
-    values = jnp.where((j[None, :] < end[:, None])[:, :, None, None], values, 0)
-    mask = j[None, None, :] <= pos[:, :, None]                                              # [B, T, S]
-    o = jax.nn.dot_product_attention(q.astype(f32), keys.astype(f32), values.astype(f32),
-                                     mask=mask[:, None], scale=c.logit_scale)              # [B, T, H, Dh]
+    mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]                 # [B, T, S]
+    # In the cache dtype with float32 logits and softmax (grouped heads, no KV copy per head).
+    o = jax.nn.dot_product_attention(q.astype(keys.dtype), keys, values, mask=mask[:, None],
+                                     scale=c.logit_scale).astype(f32)                      # [B, T, H, Dh]
     if c.output_gate:
       o = o * jax.nn.sigmoid(gate.astype(f32))
     y = self.o_proj(o.reshape(bsz, t, c.num_heads * c.head_dim).astype(self.dtype))

@@ -438,7 +438,7 @@ class LM(nnx.Module):
 
     def mixer_fn(block, x, lc):
       if isinstance(lc, AttentionLayerCache):
-        return block.mixer.step(x, lc, slots, start, real)
+        return block.mixer.step(x, lc, slots, start, real, fresh=not resume)
       S0 = ops[type(lc)].materialize(lc.bufs, cache.cursor, slots) if resume else None
       return block.mixer.prefill(x, lc, slots, lengths, initial_state=S0)
 
