@@ -178,3 +178,22 @@ def test_rotary_turns_only_the_rotary_channels():
   # A rotation: each pair (i, i + 4) keeps its norm.
   pairs = lambda a: np.asarray(a[..., :4]) ** 2 + np.asarray(a[..., 4:8]) ** 2
   np.testing.assert_allclose(pairs(y), pairs(x), rtol=1e-5)
+
+
+def test_in_place_and_gathered_reads_agree():
+  """A pool the size of the batch read in place (slots 0..B-1) and through the slot gather
+  (permuted slots over a permuted pool) give the same outputs and caches."""
+  layer = _layer(CONFIGS["qwen"])
+  rng = np.random.RandomState(5)
+  x = jnp.asarray(rng.normal(size=(3, 2, D)), jnp.float32)
+  base = layer.init_cache(3, 8)
+  base = AttentionLayerCache(k=jnp.asarray(rng.normal(size=base.k.shape), jnp.float32),
+                             v=jnp.asarray(rng.normal(size=base.v.shape), jnp.float32))
+  start, valid = jnp.array([3, 1, 5], jnp.int32), jnp.ones((3, 2), bool)
+  y0, c0 = layer.step(x, base, jnp.arange(3, dtype=jnp.int32), start, valid)
+  perm = np.array([2, 0, 1])                       # row b lives in slot perm[b]
+  inv = np.argsort(perm)
+  permuted = AttentionLayerCache(k=base.k[inv], v=base.v[inv])
+  y1, c1 = layer.step(x, permuted, jnp.asarray(perm, jnp.int32), start, valid)
+  np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(c1.k)[perm], np.asarray(c0.k))

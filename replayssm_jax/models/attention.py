@@ -208,11 +208,23 @@ class Attention(nnx.Module):
     kc = kc.at[row, pos].set(k, mode="drop", unique_indices=True)
     vc = vc.at[row, pos].set(v, mode="drop", unique_indices=True)
 
-    keys, values = _slots.gather(kc, slots), _slots.gather(vc, slots)                   # [B, S, Hkv, Dh]
     mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]                 # [B, T, S]
-    # In the cache dtype with float32 logits and softmax (grouped heads, no KV copy per head).
-    o = jax.nn.dot_product_attention(q.astype(keys.dtype), keys, values, mask=mask[:, None],
-                                     scale=c.logit_scale).astype(f32)                      # [B, T, H, Dh]
+
+    def attend(keys, values):                                                              # [B, S, Hkv, Dh]
+      # In the cache dtype with float32 logits and softmax (grouped heads, no KV copy per head).
+      return jax.nn.dot_product_attention(q.astype(keys.dtype), keys, values, mask=mask[:, None],
+                                          scale=c.logit_scale)
+
+    gathered = lambda: attend(_slots.gather(kc, slots), _slots.gather(vc, slots))
+    if n == bsz:
+      # Row b on slot b (a generate loop, a pool the size of the batch): read the pool in place.
+      # The slot gather copies every row first, and that copy cost 4x the attention itself
+      # (H200, Qwen3.5-4B attention layer, B = 256, 1040 tokens: 1.46 ms gather, 0.37 ms attention).
+      identity = jnp.all(slots == jnp.arange(bsz, dtype=slots.dtype))
+      o = jax.lax.cond(identity, lambda: attend(kc, vc), gathered)
+    else:
+      o = gathered()
+    o = o.astype(f32)                                                                      # [B, T, H, Dh]
     if c.output_gate:
       o = o * jax.nn.sigmoid(gate.astype(f32))
     y = self.o_proj(o.reshape(bsz, t, c.num_heads * c.head_dim).astype(self.dtype))
