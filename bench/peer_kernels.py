@@ -85,7 +85,7 @@ def vllm_replay_output_only(state_in, rand_seed, x, dt, dt_bias, A, B, C, D, z, 
               1, 0,                                               # D [nheads]
               nheads * dim, dim, 1,                               # z
               nheads * dim, dim, 1,                               # out
-              nheads * L * dim, L * dim, 1, dim,                  # x_cache [slots, nheads, L, dim]: batch, head, dim, pos
+              nheads * L * dim, L * dim, 1, dim,                  # x_cache [slots, nheads, L, dim]: (b, h, dim, pos)
               nheads * L, L, 1,                                   # dt_cache [slots, nheads, L]
               ngroups * L * dstate, L * dstate, dstate, 1,        # B_cache [slots, ngroups, L, dstate]
               ngroups * L, L, 1,                                  # bc_pre [batch, ngroups, L]

@@ -8,7 +8,7 @@ Launch as its wrapper picks it for the state dim N: grid (P / BLOCK_SIZE_M, B, H
 BLOCK_SIZE_M 4 with 4 warps.
 
 Source: the ``mamba_ssm`` package directory (``--peer-dir``, e.g. a checkout of state-spaces/mamba,
-or an installed mamba_ssm); PyPI has only a source distribution, whose build compiles CUDA
+or an installed mamba_ssm); mamba_ssm is released as a source distribution only, whose build compiles CUDA
 extensions this arm does not need. Two files are loaded (the kernel and its ``softplus``).
 
 Run it with ``python -m bench.peer_vllm`` (the Mamba2 peer run) or
