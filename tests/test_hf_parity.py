@@ -18,7 +18,8 @@ import pytest
 
 from replayssm_jax.models import generate, load_pretrained
 
-DATA = pathlib.Path(__file__).resolve().parent / "data" / "hf"
+ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
+DATA = ROOT_DIR / "tests" / "data" / "hf"
 FAMILIES = ("qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_moe", "nemotron_h", "mamba2")
 MAX_PROMPT = 16
 
