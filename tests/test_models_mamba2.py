@@ -9,6 +9,8 @@
   cache-free oracle.
 * bad configs raise ValueError.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,12 +125,38 @@ def test_padded_step_is_exact_identity(layer):
   from replayssm_jax.models import mamba2 as m2
   h, p, g, n = LAYER.num_heads, LAYER.head_dim, LAYER.num_groups, LAYER.state_dim
   S0 = _x((1, h, p, n), seed=5)
-  A, D, dt_bias = layer._ssm_params()
   zeros = lambda *s: jnp.zeros(s, jnp.float32)
-  _, S = rs.mamba2.chunked(zeros(1, 3, h, p), jnp.full((1, 3, h), m2.PAD_DT), A, zeros(1, 3, g, n),
-                           _x((1, 3, g, n), seed=6), D=D, dt_bias=dt_bias, dt_softplus=True,
-                           initial_state=S0)
-  np.testing.assert_array_equal(np.asarray(S), np.asarray(S0))
+  # Both step-size paths: softplus inside the op (default limit) and Δ clipped outside it.
+  clipped = m2.Mamba2(dataclasses.replace(LAYER, dt_limit=(0.01, 0.05)), rngs=nnx.Rngs(0))
+  for mixer in (layer, clipped):
+    A, D, dt, dt_bias, softplus = mixer._ssm_params(_x((1, 3, h), seed=7), jnp.zeros((1, 3), bool))
+    assert softplus == (mixer is layer)
+    _, S = rs.mamba2.chunked(zeros(1, 3, h, p), dt, A, zeros(1, 3, g, n), _x((1, 3, g, n), seed=6),
+                             D=D, dt_bias=dt_bias, dt_softplus=softplus, initial_state=S0)
+    np.testing.assert_array_equal(np.asarray(S), np.asarray(S0))
+
+
+def test_dt_limit_clips_the_step_size_in_prefill_and_decode():
+  """Δ = clip(softplus(dt + dt_bias), lo, hi): a layer with a limit gives other outputs than one
+  without, and its prefill equals its step-by-step decode (the clip is applied on both paths)."""
+  from replayssm_jax.models import mamba2 as m2
+  x = _x((1, 6, LAYER.hidden_size), seed=8)
+  plain = m2.Mamba2(LAYER, rngs=nnx.Rngs(1))
+  clipped = m2.Mamba2(dataclasses.replace(LAYER, dt_limit=(0.02, 0.03)), rngs=nnx.Rngs(1))
+  slots, lengths = jnp.array([0], jnp.int32), jnp.array([6], jnp.int32)
+  outs = {}
+  for name, mixer in (("plain", plain), ("clipped", clipped)):
+    cursor = rs.ReplayCursor.create(2, buffer_len=4)
+    y, _ = mixer.prefill(x, mixer.init_cache(2, cursor), slots, lengths)
+    cache, steps = mixer.init_cache(2, cursor), []
+    for t in range(6):
+      plan = cursor.plan(slots)
+      yt, cache = mixer.decode(x[:, t], cache, plan)
+      cursor = cursor.commit(plan)
+      steps.append(yt)
+    np.testing.assert_allclose(np.asarray(jnp.stack(steps, 1)), np.asarray(y), rtol=2e-4, atol=2e-5)
+    outs[name] = np.asarray(y)
+  assert np.abs(outs["plain"] - outs["clipped"]).max() > 1e-3
 
 
 PROMPTS = np.random.RandomState(0).randint(1, 256, (3, 12)).astype(np.int32)

@@ -230,7 +230,8 @@ class LMCache:
       AttentionLayerCache, by layer type).
     cursor: the ReplayCursor of every slot, shared by all recurrent layers.
     positions: int32[N] tokens in each slot's sequence (the position of its next token), shared
-      by all attention layers: KV entries at positions >= positions[n] are never read.
+      by all attention layers: KV entries at positions >= positions[n] (rejected drafts, an
+      earlier sequence's tail) are not part of the sequence and get zero attention weight.
   """
   layers: tuple
   cursor: ReplayCursor
