@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 LATEST := .venv-jax-latest
 PY_LATEST    := $(LATEST)/bin/python
 STAMP_LATEST := $(LATEST)/.installed
-PYTEST := -m pytest -q -n 2 --durations=15
+PYTEST := -m pytest -n 2 --durations=15
 
 .PHONY: test test-pinned test-latest demo install bench notebooks clean
 
