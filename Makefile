@@ -1,10 +1,17 @@
 # Quickstart: `make demo` and `make test` set everything up on a fresh machine.
+# `make test` runs the suite twice: on the pinned versions the kernels are measured with (.venv,
+# constraints.txt) and on the newest JAX, Flax and Orbax that pip resolves for pyproject.toml's
+# ranges (.venv-jax-latest, resolved when it is made; `make clean` to resolve again).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LATEST := .venv-jax-latest
+PY_LATEST    := $(LATEST)/bin/python
+STAMP_LATEST := $(LATEST)/.installed
+PYTEST := -m pytest -n 2 --durations=15
 
-.PHONY: test demo install bench notebooks clean
+.PHONY: test test-pinned test-latest demo install bench notebooks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -14,10 +21,23 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
 	touch $(STAMP)
 
+$(PY_LATEST):
+	$(PYTHON) -m venv $(LATEST)
+
+$(STAMP_LATEST): $(PY_LATEST) pyproject.toml
+	$(PY_LATEST) -m pip install -q --upgrade pip
+	$(PY_LATEST) -m pip install -q --upgrade --upgrade-strategy eager -e ".[test,bench]"
+	touch $(STAMP_LATEST)
+
 install: $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --durations=15
+test: test-pinned test-latest
+
+test-pinned: $(STAMP)
+	$(PY) $(PYTEST)
+
+test-latest: $(STAMP_LATEST)
+	$(PY_LATEST) $(PYTEST)
 
 demo: $(STAMP)
 	$(PY) -m replayssm_jax demo
@@ -33,4 +53,4 @@ notebooks: $(STAMP)
 	cd notebooks && ../$(VENV)/bin/jupyter-execute --inplace quickstart.ipynb performance.ipynb drift.ipynb
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LATEST)

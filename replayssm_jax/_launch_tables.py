@@ -291,14 +291,13 @@ CPU = DeviceTables(
 # One token per step: L = 16. B = 256, x conventional: f32 L = 8 / 16 / 32 1.31x / 1.55x / 1.42x,
 # bf16 1.12x / 1.26x / 0.93x. Speculative verify: short windows win (every flush is cheaper than
 # a long window replay), L = max(T, min(2T, 8)). B = 256, f32, x conventional speculative, Triton:
-# GDN T = 2 L = 4 1.59 vs L = 8 1.52, T = 4 L = 8 1.52 vs L = 16 1.32, T = 8 L = 8 1.56 vs L = 16
-# 1.48 (Mamba2 alike); Mosaic T = 4: L = 8 / 12 / 16 1.82x / 1.76x / 1.64x (GDN), 2.30x / 2.23x /
-# 2.06x (Mamba2). T = 3, 5-7 interpolated.
+# GDN T = 2 L = 4 1.59 vs L = 8 1.52, T = 8 L = 8 1.56 vs L = 16 1.48 (Mamba2 alike in the same
+# runs); Mosaic T = 4: L = 8 / 12 / 16 1.82x / 1.76x / 1.64x (GDN), 2.30x / 2.23x / 2.06x
+# (Mamba2). T = 3, 5-7 interpolated.
 BUFFER_LEN = Table({"decode": always(16), "verify_max": always(8)},
                    source=("gdn_fused_step_2026-11-30_s12_main_a.json",
                            "verify_gdn_2026-11-29_s6_T2_L4.json",
                            "verify_gdn_2026-11-29_s6_T2_L8.json",
-                           "verify_gdn_2026-11-29_s6_L8.json",
                            "verify_gdn_2026-11-29_s6_T8_L8.json",
                            "verify_gdn_2026-11-29_s6_T8_L16.json",
                            "verify_gdn_T4_L8_2026-11-30_s12.json",
