@@ -79,9 +79,9 @@ H200 = DeviceTables(
     gdn_decode=Table({
         "f32": ((SMALL_BATCH, _tile(8, 1)), ({}, _tile(16, 2))),
         "bf16": always(_tile(32, 4)),
-    }, source=("gdn_decode_2026-11-30_s10_small_tiles.json",
-               "gdn_decode_2026-11-30_s11_conv_tiles_b256.json",
-               "gdn_decode_2026-11-29_s2_fold_in_step_a.json")),
+    }, source=("gdn_decode_2026-11-30_small_batch_tiles.json",
+               "gdn_decode_2026-11-30_conv_tiles_b256.json",
+               "git show 60b2ea2:bench/results/gdn_decode_2026-11-29_s2_fold_in_step_a.json")),
     # The kernel's registers are set by its fold branch (an IEEE dot over R ring entries), which
     # steady-state steps never run: the smallest tile keeps the empty-window branch at the
     # conventional decode's speed. f32 L = 16: [8, K]/1 0.97-0.98x of conventional at B = 8-128,
@@ -92,21 +92,21 @@ H200 = DeviceTables(
         "f32": always(_tile(8, 1)),
         "bf16": ((SMALL_BATCH, _tile(8, 1)), ({"ring_size": (32, None)}, _tile(8, 1)),
                  ({}, _tile(32, 4))),
-    }, source=("gdn_decode_2026-11-29_s4_flushall_tiles.json",
-               "gdn_decode_2026-11-29_s4_flushall_default.json",
-               "gdn_decode_2026-11-30_s10_small_tiles.json")),
+    }, source=("git show 60b2ea2:bench/results/gdn_decode_2026-11-29_s4_flushall_tiles.json",
+               "git show 60b2ea2:bench/results/gdn_decode_2026-11-29_s4_flushall_default.json",
+               "gdn_decode_2026-11-30_small_batch_tiles.json")),
     # B = 256, L = 16: [64, 64] in 2 warps (K walked in two chunks) 0.226 ms f32, against
     # 0.238-0.283 for BV 16-64 with 1-4 warps and whole K.
     gdn_replay_step=Table({ANY: always(_tile(64, 2, 64))},
-                          source=("gdn_decode_2026-11-29_s2_step_tiles.json",
-                                  "gdn_decode_2026-11-29_s2_fold_in_step_a.json")),
+                          source=("git show 60b2ea2:bench/results/gdn_decode_2026-11-29_s2_step_tiles.json",
+                                  "git show 60b2ea2:bench/results/gdn_decode_2026-11-29_s2_fold_in_step_a.json")),
     # R ≥ 32: the fold's window dot holds R-long operand rows per thread; [32, 64]/2 spills
     # (2.83 ms for 62 flushing rows, 7 GB of local loads), [16, 64]/4 0.184 ms (63 registers).
     # R = 16, B = 256: [32, 64]/2 (f32 0.2191, bf16 0.1438 ms per layer-step), [16-64, 64-128]
     # with 1-4 warps within 2 %.
     gdn_fold=Table({ANY: (({"ring_size": (32, None)}, _tile(16, 4, 64)), ({}, _tile(32, 2, 64)))},
-                   source=("verify_parts_2026-11-29_T4.log", "ncu_gdn_verify_fold_2026-11-29.log",
-                           "gdn_decode_2026-11-29_s2_P8.json")),
+                   source=("git show 60b2ea2:bench/results/verify_parts_2026-11-29_T4.log", "git show 60b2ea2:bench/results/ncu_gdn_verify_fold_2026-11-29.log",
+                           "git show 60b2ea2:bench/results/gdn_decode_2026-11-29_s2_P8.json")),
     # L = 16. B = 256, 1 / 2 / 4 / 8 tiles: f32 0.1861 / 0.1842 / 0.1895 / 0.1844 ms, bf16
     # 0.1205 / 0.1200 / 0.1166 / 0.1210. Fewer flushing rows leave too few programs to share out:
     # B = 128 f32 1 / 2 tiles 0.0997 / 0.0985, bf16 1 / 4 0.0656 / 0.0655; B = 32 f32 0.0308 /
@@ -114,27 +114,27 @@ H200 = DeviceTables(
     gdn_fold_tiles=Table({
         "f32": (({"batch": (128, None)}, 2), ({}, 1)),
         "bf16": (({"batch": (256, None)}, 4), ({}, 1)),
-    }, source=("gdn_decode_2026-11-30_s11_fold_tiles1.json",
-               "gdn_decode_2026-11-30_s11_fold_tiles2.json",
-               "gdn_decode_2026-11-30_s11_fold_tiles4.json",
-               "gdn_decode_2026-11-30_s11_fold_tiles8.json",
-               "gdn_fold_tiles_small_batch_2026-11-30_s12.json")),
+    }, source=("git show 60b2ea2:bench/results/gdn_decode_2026-11-30_s11_fold_tiles1.json",
+               "git show 60b2ea2:bench/results/gdn_decode_2026-11-30_s11_fold_tiles2.json",
+               "git show 60b2ea2:bench/results/gdn_decode_2026-11-30_s11_fold_tiles4.json",
+               "git show 60b2ea2:bench/results/gdn_decode_2026-11-30_s11_fold_tiles8.json",
+               "gdn_decode_2026-11-30_fold_tiles_b32_b128.json")),
     # B = 256, L = 16, f32, x the conventional speculative verify: reconstruct [8, ·]/1 GDN 1.33x
     # (T = 4) / 1.49x (T = 8), Mamba2 1.41x / 1.82x; output-only GDN 0.52x / 0.09x, Mamba2 0.71x /
     # 0.55x.
     verify_route=Table({ANY: always("reconstruct")},
-                       source=("verify_gdn_2026-11-29_s5_routes.json",
-                               "verify_mamba2_2026-11-29_s5_routes.json")),
+                       source=("git show 60b2ea2:bench/results/verify_gdn_2026-11-29_s5_routes.json",
+                               "git show 60b2ea2:bench/results/verify_mamba2_2026-11-29_s5_routes.json")),
     # Same runs: [8, K]/1 0.552 / 0.912 ms (T = 4 / 8) vs [16, K]/2 0.722 / 1.042 and [32, K]/4
     # 0.752 / 1.124: the window loop and the T steps are latency-bound, more smaller programs win.
     gdn_verify_reconstruct=Table({ANY: always({"block_v": 8, "num_warps": 1})},
-                                 source=("verify_gdn_2026-11-29_s5_routes.json",)),
+                                 source=("git show 60b2ea2:bench/results/verify_gdn_2026-11-29_s5_routes.json",)),
     # T ≤ 4 (B = 256, T = 4, L = 16, step kernel alone): [32, 64]/4 1.26 ms, /2 1.30, [16, 64]
     # 1.64 (4 warps) / 1.93 (2), [16, 128] 1.61, [32, 32] 1.70. T = 5..8: *untuned*, half the
     # rows for the doubled live vectors.
     gdn_verify_output_only=Table({ANY: (({"tokens": (None, 4)}, _tile(32, 4, 64)),
                                         ({}, _tile(16, 4, 64)))},
-                                 source=("verify_parts_2026-11-29_T4.log",)),
+                                 source=("git show 60b2ea2:bench/results/verify_parts_2026-11-29_T4.log",)),
     # Mosaic vs Triton reconstruct, L = 8, f32, ms per layer-step. GDN T = 2: a tie from B = 8
     # (0.0145 vs 0.0141 at B = 8, 0.2933 vs 0.2909 at 256), Mosaic at B = 1 (0.0049 vs 0.0057);
     # T = 4: 0.0072 vs 0.0077 (B = 1) ... 0.4071 vs 0.4770 (256); T = 8 Mosaic everywhere.
@@ -146,16 +146,16 @@ H200 = DeviceTables(
         ("gdn", "bf16"): (({"tokens": (4, None), "batch": (256, None)}, True), ({}, False)),
         ("mamba2", "f32"): always(True),
         ("mamba2", "bf16"): always(False),
-    }, source=("verify_gdn_2026-11-30_s8_mosaic.json",
-               "verify_gdn_2026-11-30_s8_mosaic_b32_128.json",
-               "verify_gdn_2026-11-30_s8_mosaic_bf16.json",
-               "verify_2026-11-30_s8_staged_tokens.log",
-               "verify_mamba2_2026-11-30_s8_mosaic.json",
-               "verify_gdn_2026-11-30_s11_b1_b8.json",
-               "verify_mamba2_2026-11-30_s11_b1_b8.json",
-               "model_spec_gdn_2026-11-30_s9.json",
-               "model_spec_mamba2_2026-11-30_s9.json",
-               "model_spec_2026-11-30_s11_b1_b8.json")),
+    }, source=("git show 60b2ea2:bench/results/verify_gdn_2026-11-30_s8_mosaic.json",
+               "git show 60b2ea2:bench/results/verify_gdn_2026-11-30_s8_mosaic_b32_128.json",
+               "git show 60b2ea2:bench/results/verify_gdn_2026-11-30_s8_mosaic_bf16.json",
+               "git show 60b2ea2:bench/results/verify_2026-11-30_s8_staged_tokens.log",
+               "git show 60b2ea2:bench/results/verify_mamba2_2026-11-30_s8_mosaic.json",
+               "verify_gdn_2026-11-30_B1_B8.json",
+               "verify_mamba2_2026-11-30_B1_B8.json",
+               "model_spec_gdn_2026-11-30.json",
+               "model_spec_mamba2_2026-11-30.json",
+               "git show 60b2ea2:bench/results/model_spec_2026-11-30_s11_b1_b8.json")),
     # Per layer-step vs the conventional kernel, bf16 ring. GDN, L = 16 (measured there only):
     # f32 replay 0.34x / 0.78x / 1.23x / 1.43x at B = 1 / 8 / 32 / 128, flush-every-step 1.13x /
     # 1.00x / 0.98x / 0.97x; bf16 replay 0.34x / 0.53x / 1.02x / 1.14x. Mamba2 f32, L ≤ 8: replay
@@ -167,19 +167,19 @@ H200 = DeviceTables(
         ("gdn", "bf16"): always(32),
         ("mamba2", "f32"): (({"buffer_len": (None, 8)}, 32), ({}, 256)),
         ("mamba2", "bf16"): (({"buffer_len": (None, 7)}, 256), ({}, 128)),
-    }, source=("gdn_decode_2026-11-30_s10_matrix.json",
-               "gdn_decode_2026-11-30_s11_small_defaults.json",
-               "mamba2_decode_2026-11-29_s4_matrix_f32.log",
-               "mamba2_decode_2026-11-29_s7_bf16_matrix.json",
-               "mamba2_decode_2026-11-30_s10_matrix.json",
-               "mamba2_decode_2026-11-30_s11_small_defaults.json")),
+    }, source=("gdn_decode_2026-11-30_batches.json",
+               "gdn_decode_2026-11-30_small_batch_defaults.json",
+               "git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s4_matrix_f32.log",
+               "git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s7_bf16_matrix.json",
+               "mamba2_decode_2026-11-30_batches.json",
+               "mamba2_decode_2026-11-30_small_batch_defaults.json")),
     # B ≤ 32: f32 [16, N]/1 0.0045 / 0.0197 / 0.0725 ms at B = 1 / 8 / 32 vs [16, N]/2 0.0047 /
     # 0.0201 / 0.0732; bf16 [8, N]/1 0.0033 / 0.0120 / 0.0399 vs [32, N]/4 0.0036 / 0.0124 /
     # 0.0405. Above: *untuned*, GDN's B = 256 tiles.
     mamba2_decode=Table({
         "f32": ((SMALL_BATCH, _m2(16, 1)), ({}, _m2(16, 2))),
         "bf16": ((SMALL_BATCH, _m2(8, 1)), ({}, _m2(32, 4))),
-    }, source=("mamba2_decode_2026-11-30_s10_small_tiles.json",
+    }, source=("mamba2_decode_2026-11-30_small_batch_tiles.json",
                "untuned above B = 32: GDN's conventional decode tiles")),
     # *untuned*: the rebuild walks N in chunks of 32 as the replay step's fold does.
     mamba2_flush_block_n=Table({ANY: always(32)}, source=("untuned: the replay step's N chunk",)),
@@ -191,8 +191,8 @@ H200 = DeviceTables(
                 ({"buffer_len": (None, 8), "batch": (8, 128)}, "reconstruct"),
                 ({}, "output_only")),
         "bf16": always("output_only"),
-    }, source=("mamba2_decode_2026-11-29_s4_matrix_f32.log",
-               "mamba2_decode_2026-11-29_s7_bf16_matrix.json")),
+    }, source=("git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s4_matrix_f32.log",
+               "git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s7_bf16_matrix.json")),
     # *untuned*: output-only [32, 128] checkpoint tiles (GDN's best replay tile held the same 4096
     # elements), 4 heads per program share B_j·C; reconstruct one head per program (nothing shared).
     mamba2_replay_step=Table({
@@ -202,17 +202,17 @@ H200 = DeviceTables(
     # R < 16 (unrolled rank-one FMAs), B = 256, L = 8, f32: [64, 64]/4 0.4436 ms, [32, 128]/4
     # 0.4465, GDN's [32, 64]/2 0.4522, [16, 64]/4 0.4896. R ≥ 16: GDN's fold tile (*untuned* here).
     mamba2_fold=Table({ANY: (({"ring_size": (None, 15)}, _tile(64, 4, 64)), ({}, None))},
-                      source=("mamba2_decode_2026-11-29_s6_fold_sweep.json",)),
+                      source=("git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s6_fold_sweep.json",)),
     # B = 256, 1 / 2 / 4 tiles: R = 8 f32 0.4268 / 0.4444 / 0.4466 ms, bf16 0.2554 / 0.2593 /
     # 0.2597; R = 16 f32 0.4060 / 0.4045 / 0.3997, bf16 0.2586 / 0.2569 / 0.2537. Smaller batches
     # unmeasured (GDN's fold lost with more tiles there): one.
     mamba2_fold_tiles=Table({ANY: (({"ring_size": (16, None), "batch": (256, None)}, 4), ({}, 1))},
-                            source=("mamba2_fold_tiles_2026-11-30_s12.json",
-                                    "mamba2_decode_2026-11-30_s12_fold_tiles_default.json")),
+                            source=("mamba2_decode_2026-11-30_fold_tiles.json",
+                                    "git show 60b2ea2:bench/results/mamba2_decode_2026-11-30_s12_fold_tiles_default.json")),
     # B = 256, L = 16: [8, N]/1 1.026 / 1.490 ms (T = 4 / 8) vs the decode's [16, N]/2 1.119 /
     # 1.892.
     mamba2_verify_reconstruct=Table({ANY: always(_m2(8, 1))},
-                                    source=("verify_mamba2_2026-11-29_s5_routes.json",)),
+                                    source=("git show 60b2ea2:bench/results/verify_mamba2_2026-11-29_s5_routes.json",)),
     # *untuned*: T ≤ 4 the output-only replay step's tile; T = 5..8 keeps T Δx vectors and T window
     # products live per head: 2 heads per program.
     mamba2_verify_output_only=Table({ANY: (({"tokens": (None, 4)}, _m2(32, 2, 32, heads=4)),
@@ -295,24 +295,24 @@ CPU = DeviceTables(
 # runs); Mosaic T = 4: L = 8 / 12 / 16 1.82x / 1.76x / 1.64x (GDN), 2.30x / 2.23x / 2.06x
 # (Mamba2). T = 3, 5-7 interpolated.
 BUFFER_LEN = Table({"decode": always(16), "verify_max": always(8)},
-                   source=("gdn_fused_step_2026-11-30_s12_main_a.json",
-                           "verify_gdn_2026-11-29_s6_T2_L4.json",
-                           "verify_gdn_2026-11-29_s6_T2_L8.json",
-                           "verify_gdn_2026-11-29_s6_T8_L8.json",
-                           "verify_gdn_2026-11-29_s6_T8_L16.json",
-                           "verify_gdn_T4_L8_2026-11-30_s12.json",
-                           "verify_gdn_T4_L12_2026-11-30_s12.json",
-                           "verify_gdn_T4_L16_2026-11-30_s12.json",
-                           "verify_mamba2_T4_L12_2026-11-30_s12.json"))
+                   source=("gdn_decode_2026-11-30_buffer_lens.json",
+                           "git show 60b2ea2:bench/results/verify_gdn_2026-11-29_s6_T2_L4.json",
+                           "git show 60b2ea2:bench/results/verify_gdn_2026-11-29_s6_T2_L8.json",
+                           "git show 60b2ea2:bench/results/verify_gdn_2026-11-29_s6_T8_L8.json",
+                           "git show 60b2ea2:bench/results/verify_gdn_2026-11-29_s6_T8_L16.json",
+                           "git show 60b2ea2:bench/results/verify_gdn_T4_L8_2026-11-30_s12.json",
+                           "verify_gdn_2026-11-30_window_L12.json",
+                           "verify_gdn_2026-11-30_window_L16.json",
+                           "verify_mamba2_2026-11-30_window_L12.json"))
 # GDN replay_decode(route="auto"): output-only. B = 256, L = 16 vs the one-launch reconstruct
 # route: f32 0.212 ms vs 0.313 ([8, K]/1) / 0.360 (the decode tile); bf16 0.142 vs 0.310.
 GDN_REPLAY_ROUTE = Table({ANY: always("output_only")},
-                         source=("gdn_decode_2026-11-29_s5_reconstruct.json",))
+                         source=("git show 60b2ea2:bench/results/gdn_decode_2026-11-29_s5_reconstruct.json",))
 # Fold-pass row slots per expected flushing row. Decode, B = 256, L = 16: B/L slots 0.2015 ms
 # f32 / 0.1349 bf16, 2B/L 0.2019 / 0.1360, 4B/L 0.2067 / 0.1406 (empty programs cost); Mamba2
 # B = 256, L = 8 f32: B/L 0.4420, 2B/L 0.4419. Verify: *untuned*, twice the expected flushing rows.
 FOLD_ROW_SLOTS = Table({"decode": always(1), "verify": always(2)},
-                       source=("gdn_decode_2026-11-29_s7_fold_rows.json",
+                       source=("git show 60b2ea2:bench/results/gdn_decode_2026-11-29_s7_fold_rows.json",
                                "untuned for verify: twice the expected flushing rows"))
 
 def for_device(device_kind: str) -> DeviceTables:

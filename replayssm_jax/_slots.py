@@ -68,7 +68,7 @@ def scatter_rows(pool, slots, rows):
 
   Declared unique: with indices that may repeat, XLA's scatter into a bf16 pool was more than twice
   as slow on the H200 (the [256, 3, 8192] conv-state step: 77 → 35 µs per call in
-  ``python -m bench.model_parts``, 2026-11-29; bench/results/model_parts_2026-11-29_s7.json).
+  ``python -m bench.model_parts``, 2026-11-29; git show 60b2ea2:bench/results/model_parts_2026-11-29_s7.json).
   """
   return pool.at[scatter_index(slots, pool.shape[0])].set(rows.astype(pool.dtype), mode="drop",
                                                           unique_indices=True)

@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import pathlib
 import re
+import subprocess
 
 import jax.numpy as jnp
 import pytest
@@ -45,14 +46,28 @@ ALL += [("any", name, getattr(tables, name))
 IDS = [f"{kind}-{name}" for kind, name, _ in ALL]
 
 
+def _check_in_history(commit, path):
+  """The cited file exists at that commit (checked where the clone has the history)."""
+  root = RESULTS.parent.parent
+  have = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+  if have.returncode:
+    pytest.skip(f"commit {commit} is not in this clone (shallow?)")
+  found = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{commit}:{path}"], capture_output=True)
+  assert found.returncode == 0, f"{path} is not in commit {commit}"
+
+
 @pytest.mark.parametrize("kind,name,table", ALL, ids=IDS)
 def test_table_cites_its_source(kind, name, table):
-  """Result files exist in bench/results/; anything else is a dated command, or says why the
-  value is not measured (untuned, interpret mode, CPU)."""
+  """Result files exist in bench/results/ (or, for runs whose files left the tree, in the git
+  history: ``git show <commit>:bench/results/<file>``); anything else is a dated command, or says
+  why the value is not measured (untuned, interpret mode, CPU)."""
   assert table.source and isinstance(table.source, tuple)
   for cited in table.source:
+    old = re.fullmatch(r"git show ([0-9a-f]{7,40}):(bench/results/[\w.-]+\.(?:json|log|txt))", cited)
     if re.fullmatch(r"[\w.-]+\.(json|log|txt)", cited):
       assert (RESULTS / cited).is_file(), f"{name} cites bench/results/{cited}, which is missing"
+    elif old:
+      _check_in_history(*old.groups())
     else:
       assert (re.match(r"(untuned|interpret mode|CPU)\b", cited)
               or re.match(r"H200 \d{4}-\d{2}-\d{2}, .*python -m bench\.", cited)), cited

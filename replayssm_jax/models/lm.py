@@ -272,7 +272,7 @@ class SwiGLU(nnx.Module):
 
   One matrix, not two: XLA merged two projections of the same x into one dot over concatenated
   weights and picked a slower kernel for it (B=256, D=2560, I=9216 bf16 on the H200: 126 µs per
-  MLP call that way, 89 µs with the weights stored together, ``bench.model_parts``; NOTES.md 31).
+  MLP call that way, 89 µs with the weights stored together, ``bench.model_parts``; bench/NOTES.md, Model level).
   """
 
   def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):

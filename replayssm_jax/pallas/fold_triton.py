@@ -168,7 +168,7 @@ def compact_rows(flags):
   ``jnp.nonzero(flags, size=B)`` computed as ranks (True entries before each row: one [B, B]
   compare-and-sum) and a unique scatter, not a cumulative sum: XLA ran that sum as a 10 µs
   reduce-window kernel per model step on the H200 (``python -m bench.model_trace``, 2026-11-29;
-  bench/results/model_trace_gdn_2026-11-29_s7_before.json).
+  git show 60b2ea2:bench/results/model_trace_gdn_2026-11-29_s7_before.json).
   """
   b = flags.shape[0]
   idx = jnp.arange(b, dtype=jnp.int32)

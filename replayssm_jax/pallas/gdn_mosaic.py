@@ -17,7 +17,7 @@ staged by TMA while row i computes.
   fused fold branch cost ~20 % on every row there), the checkpoint tile and the window already sit
   in SMEM here, so the fused fold re-reads nothing from HBM and needs no second launch.
   H200, one row per program, 2026-11-30: 1.42x over conventional at B=256, L=16, f32, against
-  Triton's two passes 1.50x (bench/results/gdn_decode_2026-11-30_s11_mosaic.json).
+  Triton's two passes 1.50x; 2026-12-01: 1.45x against 1.55x (bench/RESULTS.md, GDN layer decode).
 * ``materialize``: the same fold body on every row, into a fresh f32 [B, Hv, V, K].
 * ``replay_verify``: speculative verify of T tokens per row, the reconstruct route of the Triton
   kernels (gdn_triton ``_reconstruct_kernel``). Grid (V/BV, Hv, B); for each of its rows a

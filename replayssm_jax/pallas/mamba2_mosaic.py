@@ -53,7 +53,7 @@ _ROW_N, _COL_P = _ROW_K, _COL_V   # the GDN [V, K] tile's layouts, read as Mamba
 _P_VECTORS = ("x", "z")           # per-token vectors over P (the others, B and C, are over N)
 # The verify kernel's token vectors copied to SMEM by TMA (``_stage_tokens``). Staging x and z
 # beat staging all four, B and C only, or none (H200, 2026-11-30, B=256, L=8, T=2/4/8;
-# bench/results/verify_2026-11-30_s8_staging_variants.log); B and C stay GMEM loads.
+# git show 60b2ea2:bench/results/verify_2026-11-30_s8_staging_variants.log); B and C stay GMEM loads.
 _STAGED = ("x", "z")
 
 
