@@ -47,7 +47,9 @@ PROMPTS = [[200, 201, 202, 203] * 2 + [200], RNG.randint(1, 256, 12).tolist(),
            [5, 9, 100, 101, 102, 103, 100, 101], RNG.randint(1, 256, 3).tolist()]
 NEW = [14, 11, 16, 9]
 DRAFTS = [None, 0, 1, None]     # per-request num_drafts (None: the engine's K)
-SUBMIT = {1: dict(temperature=1.0, seed=5)}
+# r1 samples; the looping head is peaked, so at temperature 8 about one draw in ten leaves the
+# cycle (below: r1's tokens are not its greedy ones).
+SUBMIT = {1: dict(temperature=8.0, seed=5)}
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +61,14 @@ def model():
 
 @pytest.fixture(scope="module")
 def plain(model):
-  """Tokens of the engine without drafting (all four requests in one run; r1 samples)."""
+  """Tokens of the engine without drafting (all four requests in one run; r1 samples), and the
+  greedy ones of all four."""
   engine = Engine(model, PLAIN)
   ids = [engine.submit(p, max_new_tokens=n, **SUBMIT.get(i, {}))
          for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+  greedy = [engine.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, NEW)]
   out = engine.run()
-  return [out[i] for i in ids]
+  return [out[i] for i in ids], [out[i] for i in greedy]
 
 
 def _schedule(model, config, joins, submit=None):
@@ -85,6 +89,8 @@ def _schedule(model, config, joins, submit=None):
 
 
 def test_speculative_greedy_equals_plain_greedy(model, plain, monkeypatch):
+  plain, greedy = plain
+  assert plain[1] != greedy[1] and plain[0] == greedy[0]
   jitted, shapes = engine_module._verify_jit, []     # the (bucket, T) of every verify step
 
   def recording(*args, **kwargs):
@@ -189,16 +195,16 @@ def test_prefix_snapshots_with_drafting_are_exact(model, replay):
 
 
 @pytest.mark.filterwarnings("ignore:prefix caching is on")
-def test_preempt_resume_with_drafting_is_bit_exact(model, tmp_path):
+def test_preempt_resume_with_drafting_is_bit_exact(model, plain, tmp_path):
   # Given drafting, prefix caching and a sampled drafting request (r2),
   config = EngineConfig(**BASE, prefix_block=4, num_drafts=K)
-  submit = {2: dict(temperature=1.0, seed=7)}
+  sampled = dict(temperature=8.0, seed=7, num_drafts=K)
 
   def start():
     engine = Engine(model, config)
     for i in range(4):  # r3 waits for a slot: it is still queued when we preempt
-      engine.submit(PROMPTS[i], max_new_tokens=NEW[i] + 4, num_drafts=DRAFTS[i], request_id=f"r{i}",
-                    **submit.get(i, {}))
+      opts = sampled if i == 2 else dict(num_drafts=DRAFTS[i])
+      engine.submit(PROMPTS[i], max_new_tokens=NEW[i] + 4, request_id=f"r{i}", **opts)
     return engine
 
   full = start()
@@ -215,9 +221,9 @@ def test_preempt_resume_with_drafting_is_bit_exact(model, tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # and the sampled request alone gets its tokens of the shared run (which are not greedy).
   alone = Engine(model, config)
-  rid = alone.submit(PROMPTS[2], max_new_tokens=NEW[2] + 4, temperature=1.0, seed=7)
+  rid = alone.submit(PROMPTS[2], max_new_tokens=NEW[2] + 4, **sampled)
   assert alone.run()[rid] == expected["r2"]
-  assert full.stats("r2").accepted_drafts > 0
+  assert expected["r2"][:NEW[2]] != plain[1][2] and full.stats("r2").accepted_drafts > 0
 
 
 def test_ngram_drafter_equals_ngram_drafts():

@@ -446,44 +446,48 @@ class Engine:
                              jnp.array([dst], jnp.int32))
     self._snapshots[key] = dst
 
-  def _snapshot_due(self, seq) -> bool:
-    """A slot whose state covers exactly ``seq`` is snapshotted (a block boundary not cached yet)."""
+  def _snapshot_due(self, r: _Request, n: int, run=()) -> bool:
+    """A slot whose state covers the first n tokens of ``r.prompt + r.generated + run`` is
+    snapshotted there: a block boundary below max_prompt_len, not cached yet. (The tokens are
+    only gathered at a boundary: O(1) per row and step elsewhere.)"""
     block = self.config.prefix_block
-    return (bool(block) and len(seq) % block == 0 and len(seq) < self.max_prompt_len
-            and tuple(seq) not in self._snapshots)
+    if not block or n % block or n >= self.max_prompt_len:
+      return False
+    return tuple((r.prompt + r.generated + list(run))[:n]) not in self._snapshots
 
-  def _draft_count(self, r: _Request, seq) -> int:
-    """Drafts row r verifies this step (its state covers ``seq[:-1]``, token 0 is ``seq[-1]``).
+  def _draft_count(self, r: _Request, n: int) -> int:
+    """Drafts row r verifies this step (its state covers its first n - 1 tokens; token 0 is the
+    n-th).
 
     The run emits at most drafts + 1 tokens, so the drafts are cut to the remaining budget minus
-    one, and so that the state after the step covers at most the first block boundary b >=
-    len(seq) (a snapshot needs a step that ends there): 0 drafts when token 0 reaches b itself.
-    The cut depends on the request alone (not on what is cached), so its tokens stay independent
-    of the other requests.
+    one, and so that the state after the step covers at most the first block boundary b >= n
+    (a snapshot needs a step that ends there): 0 drafts when token 0 reaches b itself. The cut
+    depends on the request alone (not on what is cached), so its tokens stay independent of the
+    other requests.
     """
-    n, block = len(seq), self.config.prefix_block
+    block = self.config.prefix_block
     k = min(r.num_drafts, r.max_new_tokens - len(r.generated) - 1)
     boundary = -(-n // block) * block if block else self.max_prompt_len
     if boundary < self.max_prompt_len:   # no snapshot is kept at max_prompt_len or beyond
       k = min(k, boundary - n)
     return max(k, 0)
 
-  def _drafts(self, r: _Request, seq) -> list:
-    k = self._draft_count(r, seq) if self.config.num_drafts else 0
+  def _drafts(self, r: _Request, n: int) -> list:
+    k = self._draft_count(r, n) if self.config.num_drafts else 0
     if not k:
       return []
     if r.rid not in self._drafters:
-      self._drafters[r.rid] = NgramDrafter(seq, ngram=self.config.ngram)
+      self._drafters[r.rid] = NgramDrafter(r.prompt + r.generated, ngram=self.config.ngram)
     return self._drafters[r.rid].drafts(k)
 
   def _decode(self) -> list:
     cfg = self.config
     reqs = [self._requests[rid] for rid in self._running]
     width = next(b for b in cfg.batch_buckets if b >= len(reqs))
-    seqs = [r.prompt + r.generated for r in reqs]
+    lens = [len(r.prompt) + len(r.generated) for r in reqs]
     # A row whose last token reaches a block boundary flushes, so the snapshot's window is empty.
-    force = [self._snapshot_due(s) for s in seqs]
-    drafts = [self._drafts(r, s) for r, s in zip(reqs, seqs)]
+    force = [self._snapshot_due(r, n) for r, n in zip(reqs, lens)]
+    drafts = [self._drafts(r, n) for r, n in zip(reqs, lens)]
     rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
     per_row = (rows([r.slot for r in reqs], -1, np.int32), rows(force, False, bool),
                rows([r.temperature for r in reqs], 0.0, np.float32),
@@ -508,10 +512,10 @@ class Engine:
           rows([r.generated[-1] for r in reqs], PAD_TOKEN, np.int32), *per_row,
           replay=cfg.replay, implementation=cfg.implementation)
       runs = [[int(tok)] for tok in np.asarray(nxt)[:len(reqs)]]
-    for r, s, run in zip(reqs, seqs, runs):
-      covered = s + run[:-1]            # the tokens in the slot's state now
-      if self._snapshot_due(covered):
-        self._snapshot(r.slot, covered)
+    for r, n, run in zip(reqs, lens, runs):
+      covered = n - 1 + len(run)          # the state covers token 0 and the accepted drafts
+      if self._snapshot_due(r, covered, run):
+        self._snapshot(r.slot, (r.prompt + r.generated + run)[:covered])
     finished = []
     for r, d, run in zip(reqs, drafts, runs):
       r.drafted += len(d)
