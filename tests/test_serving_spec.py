@@ -6,7 +6,7 @@ and GDN-only stacks: test_models_spec runs their speculative generate, ReplaySSM
 * With 3 drafts per step, requests asking for 0 and 1 drafts sharing the steps as 1- and 2-token
   lanes and requests joining at other steps, every request gets the tokens of the engine without
   drafting (greedy; and a sampled 1-token-lane request its sampled tokens); a stop token inside
-  an accepted run and ``max_new_tokens`` cut exactly; one verify program per (bucket, T).
+  an accepted run and ``max_new_tokens`` cut exactly; one verify program, compiled once.
   (test_serving shows that the engine's tokens are ``generate``'s.)
 * Prefix caching with drafting, ReplaySSM and conventional verify (state stacks): every snapshot
   (prompt blocks, forced-flush lanes, runs of accepted drafts that end on a boundary) equals a
@@ -39,7 +39,10 @@ generate_module = importlib.import_module("replayssm_jax.models.generate")
 
 K = 3
 PLAIN = EngineConfig(**BASE)
-SPEC = EngineConfig(**BASE, num_drafts=K)
+# Drafting engines run every step in the 4-row bucket (padding rows included): one verify
+# program per T to compile; PLAIN shares test_serving's programs.
+DRAFTING = BASE | dict(batch_buckets=(4,))
+SPEC = EngineConfig(**DRAFTING, num_drafts=K)
 RNG = np.random.RandomState(1)
 # Prompt 0 holds the cycle its greedy stream follows (drafts hit from the first step), 2 enters a
 # cycle after a few tokens, 1 and 3 are random.
@@ -106,17 +109,17 @@ def test_speculative_greedy_equals_plain_greedy(model, plain, monkeypatch):
   stats = [engine.stats(f"r{i}") for i in range(4)]
   assert all(s.generated_tokens == n for s, n in zip(stats, NEW))
   # drafts hit (r0's first step accepts two or three), the 0-draft request never drafted and the
-  # 1-draft request drafted one per step, in steps of T = 4,
+  # 1-draft request drafted one per step, in steps of 4 rows and T = 4 (one program),
   assert stats[0].accepted_drafts >= 2 and sum(s.accepted_drafts for s in stats) >= 2 * K
   assert stats[1].drafted_tokens == 0 and 0 < stats[2].drafted_tokens <= NEW[2] - 1
-  assert {t for _, t in shapes} == {K + 1}
+  assert set(shapes) == {(4, K + 1)}
   # and a stop token inside an accepted run (r0's second token: lane 0 of its first step, whose
-  # lane 1 accepts too) ends the request right there. That schedule compiles one verify program
-  # per new (bucket, T) and nothing else.
+  # lane 1 accepts too) ends the request right there. Once r0 and r3 are done, only the 0- and
+  # 1-draft requests run: steps of T = 2, the one new program that schedule compiles.
   seen, before = set(shapes), jitted._cache_size()
   cut, _ = _schedule(model, SPEC, [0, 0, 1, 2], {0: dict(stop_tokens=(plain[0][1],))})
   assert cut[0] == plain[0][:2] and cut[1:] == plain[1:]
-  assert jitted._cache_size() - before == len(set(shapes) - seen)
+  assert set(shapes) - seen == {(4, 2)} and jitted._cache_size() == before + 1
 
 
 def _slot_view(model, cache, slot):
@@ -154,7 +157,7 @@ def _reference_view(model, tokens):
 def test_prefix_snapshots_with_drafting_are_exact(model, replay):
   # Given prefix caching in blocks of 4 with drafting (3 snapshot slots, LRU): a 19-token prompt
   # (snapshots at 4 .. 16) that decodes across 20, 24 and 28 (decode snapshots),
-  config = EngineConfig(**BASE, prefix_block=4, num_drafts=K, replay=replay)
+  config = EngineConfig(**DRAFTING, prefix_block=4, num_drafts=K, replay=replay)
   a = [16, 17, 18, 19] * 4 + [16, 17, 18]               # both models' streams continue the cycle
   engine = Engine(model, config)
   ra = engine.submit(a, max_new_tokens=12)
@@ -197,7 +200,7 @@ def test_prefix_snapshots_with_drafting_are_exact(model, replay):
 @pytest.mark.filterwarnings("ignore:prefix caching is on")
 def test_preempt_resume_with_drafting_is_bit_exact(model, plain, tmp_path):
   # Given drafting, prefix caching and a sampled drafting request (r2),
-  config = EngineConfig(**BASE, prefix_block=4, num_drafts=K)
+  config = EngineConfig(**DRAFTING, prefix_block=4, num_drafts=K)
   sampled = dict(temperature=8.0, seed=7, num_drafts=K)
 
   def start():
