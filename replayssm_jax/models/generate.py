@@ -6,10 +6,12 @@ so one compilation serves any prompts, prompt lengths and cursor phases for a gi
 and static options (max_new_tokens, replay, temperature, stop_tokens, buffer_len, implementation,
 speculative, ngram).
 
-Speculative mode (``speculative=k``, greedy, ReplaySSM): each loop step drafts k tokens per row
-with an n-gram lookup over the row's prompt + generated tokens, runs the last emitted token and
-the drafts through ``LM.verify`` (T = k + 1), emits the longest prefix of drafts equal to the
-greedy argmax plus the model's next token, and commits exactly the emitted count.
+Speculative mode (``speculative=k``): each loop step drafts k tokens per row with an n-gram
+lookup over the row's prompt + generated tokens, runs the last emitted token and the drafts
+through ``LM.verify`` (T = k + 1), emits the accepted drafts plus one token of the model
+(``sampling.speculative_sample``: greedy, or rejection sampling at temperature > 0) and commits
+exactly the emitted count. ``replay=False`` verifies through the conventional state stacks
+(``LM.verify(replay=False)``), the baseline.
 """
 from typing import NamedTuple
 
@@ -19,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from replayssm_jax import config as config_lib
+from replayssm_jax.models import sampling
 from replayssm_jax.models.lm import LM
 
 PAD_TOKEN = 0
@@ -90,14 +93,21 @@ def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_to
 
   logits, cache = model.prefill(prompts, cache, slots, lengths)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, vocab]
-  tok = _sample(last, jax.random.fold_in(key, 0), temperature)
+  if speculative:
+    # Per-row keys (sampling.speculative_sample): row b's token at position j draws from
+    # fold_in(fold_in(key, b), j), the first token included.
+    temps = jnp.full((bsz,), temperature, jnp.float32)
+    keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(slots)
+    tok = sampling.sample(last, temps, keys, jnp.zeros((bsz,), jnp.int32))
+  else:
+    tok = _sample(last, jax.random.fold_in(key, 0), temperature)
   out = jnp.full((bsz, max_new_tokens), PAD_TOKEN, jnp.int32).at[:, 0].set(tok)
   done = is_stop(tok)                       # a stop token is emitted and counted, then the row stops
   num = jnp.ones((bsz,), jnp.int32)
   if speculative:
-    return _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_stop,
+    return _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_stop, temps, keys,
                              max_new_tokens=max_new_tokens, implementation=implementation,
-                             num_drafts=speculative, ngram=ngram)
+                             num_drafts=speculative, ngram=ngram, replay=replay)
 
   def cond(carry):
     i, _, _, done, _, _ = carry
@@ -119,9 +129,9 @@ def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_to
   return out, num, GenerateStats(steps=num - 1, accepted=jnp.zeros_like(num)), cache
 
 
-def _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_stop, *,
-                      max_new_tokens, implementation, num_drafts, ngram):
-  """Greedy draft-and-verify loop after prefill (the first token is already in ``out``)."""
+def _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_stop, temps, keys, *,
+                      max_new_tokens, implementation, num_drafts, ngram, replay):
+  """Draft-and-verify loop after prefill (the first token is already in ``out``)."""
   bsz, m, t = prompts.shape[0], max_new_tokens, num_drafts + 1
   rows, lane = jnp.arange(bsz)[:, None], jnp.arange(t)[None, :]
   slots = jnp.arange(bsz, dtype=jnp.int32)
@@ -137,23 +147,23 @@ def _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_st
     drafts = ngram_drafts(history, lengths + num, num_drafts=num_drafts, ngram=ngram)     # [B, k]
     # Finished rows become padding rows (slot -1): their caches stay as they were.
     logits, step = model.verify(jnp.concatenate([tok[:, None], drafts], axis=1), cache,
-                                jnp.where(done, -1, slots), implementation=implementation)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)                                # [B, T]
-    # The first j drafts equal the greedy tokens before them, so the emitted run is greedy[:, :j+1]:
-    # the accepted drafts, then the model's own next token. It is cut after the first stop
-    # token and at the row's remaining budget.
-    j = jnp.sum(jnp.cumprod((drafts == greedy[:, :-1]).astype(jnp.int32), axis=1), axis=1)
-    stop = is_stop(greedy)
+                                jnp.where(done, -1, slots), replay=replay,
+                                implementation=implementation)
+    # The run: the accepted drafts, then the model's own token at the first lane that did not
+    # accept. It is cut after the first stop token and at the row's remaining budget.
+    run, n_run = sampling.speculative_sample(logits, drafts, jnp.full((bsz,), num_drafts, jnp.int32),
+                                             temps, keys, num)
+    stop = is_stop(run)
     stopped_before = (jnp.cumsum(stop, axis=1) - stop) > 0
-    keep = live[:, None] & (lane <= j[:, None]) & (lane < (m - num)[:, None]) & ~stopped_before
+    keep = live[:, None] & (lane < n_run[:, None]) & (lane < (m - num)[:, None]) & ~stopped_before
     emit = jnp.sum(keep, axis=1, dtype=jnp.int32)
-    out = out.at[rows, jnp.where(keep, num[:, None] + lane, m)].set(greedy, mode="drop")
+    out = out.at[rows, jnp.where(keep, num[:, None] + lane, m)].set(run, mode="drop")
     history = history.at[rows, jnp.where(keep, (lengths + num)[:, None] + lane, history.shape[1])].set(
-        greedy, mode="drop")
+        run, mode="drop")
     # The emitted tokens but the last were inputs of this step (token 0 and accepted drafts):
     # exactly `emit` inputs commit; the last emitted token is the next step's token 0.
     cache = model.commit(step, jnp.maximum(emit, 1))
-    tok = jnp.where(live, jnp.take_along_axis(greedy, jnp.maximum(emit - 1, 0)[:, None], axis=1)[:, 0], tok)
+    tok = jnp.where(live, jnp.take_along_axis(run, jnp.maximum(emit - 1, 0)[:, None], axis=1)[:, 0], tok)
     num = num + emit
     steps = steps + live.astype(jnp.int32)
     accepted = accepted + jnp.maximum(emit - 1, 0)
@@ -189,13 +199,17 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   then emits ``PAD_TOKEN`` (0) for the rest of the output and stops updating its cache; the loop
   ends early once every row stopped.
 
-  With ``speculative=k`` (greedy, replay only) each step drafts k tokens per row
-  (``ngram_drafts``: what followed the last earlier occurrence of the row's last ``ngram`` tokens),
-  verifies the last token + drafts in one ``LM.verify`` step, emits the accepted drafts and the
-  model's next token, and commits that many tokens (``LM.commit``: cursor + conv-state rollback).
-  The tokens are those of ``speculative=0`` greedy decoding (up to float32 rounding); stop tokens
-  and ``max_new_tokens`` cut a run of accepted drafts exactly. Steps per row shrink by the accepted
-  drafts (``return_stats``).
+  With ``speculative=k`` each step drafts k tokens per row (``ngram_drafts``: what followed the
+  last earlier occurrence of the row's last ``ngram`` tokens), verifies the last token + drafts in
+  one ``LM.verify`` step, emits the accepted drafts and the model's next token, and commits that
+  many tokens (``LM.commit``: cursor + conv-state rollback). Greedy: the tokens are those of
+  ``speculative=0`` greedy decoding (up to float32 rounding). Temperature > 0: rejection sampling
+  (``sampling.speculative_sample``), so every token has the distribution of plain sampling, with
+  per-row keys ``fold_in(fold_in(PRNGKey(seed), row), position)`` (other draws than
+  ``speculative=0`` makes, same distribution). Stop tokens and ``max_new_tokens`` cut a run of
+  accepted drafts exactly. Steps per row shrink by the accepted drafts (``return_stats``).
+  ``replay=False`` verifies through conventional state stacks (``LM.verify(replay=False)``, the
+  baseline): the same tokens.
 
   Args:
     model: an LM (e.g. ``make_model(LMConfig.tiny(), seed)``).
@@ -210,8 +224,8 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
       measured default ``config.buffer_len_for(speculative + 1)`` (16 without speculative
       decoding; 4 / 8 / 8 for 1 / 3 / 7 drafts).
     implementation: forwarded to the GDN / Mamba2 decode and verify ops (None = fastest available).
-    speculative: k drafts per step, 0 <= k <= 7 (0: one token per step). Needs ``temperature=0``
-      and ``replay=True`` (NotImplementedError otherwise) and ``buffer_len >= k + 1``.
+    speculative: k drafts per step, 0 <= k <= 7 (0: one token per step). Needs
+      ``buffer_len >= k + 1``.
     ngram: n-gram length the drafter matches (speculative mode).
     return_stats: also return a ``GenerateStats`` (model steps and accepted drafts per row).
 
@@ -238,15 +252,6 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   if speculative and buffer_len < speculative + 1:
     raise ValueError(f"buffer_len={buffer_len} with speculative={speculative}; expected buffer_len "
                      f">= speculative + 1 (a flushed row's drafts must fit its window)")
-  if speculative and temperature > 0:
-    raise NotImplementedError(
-        f"speculative={speculative} with temperature={temperature}: speculative generate is greedy "
-        f"only (sampling needs rejection sampling against the draft distribution); use "
-        f"temperature=0 or speculative=0")
-  if speculative and not replay:
-    raise NotImplementedError(
-        f"speculative={speculative} with replay=False: speculative generate verifies through "
-        f"ReplaySSM (LM.verify); use replay=True or speculative=0")
   stop_tokens = tuple(int(_as_int("stop_tokens", s, 0)) for s in stop_tokens)
   if any(s >= cfg.vocab_size for s in stop_tokens):
     raise ValueError(f"stop_tokens={stop_tokens}; expected ids in [0, {cfg.vocab_size})")
@@ -274,7 +279,8 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   graphdef, params = nnx.split(model)
   # KV capacity: the longest prompt, every generated token and one step's drafts.
   cache = model.init_cache(bsz, buffer_len=buffer_len, max_draft=speculative,
-                           max_len=cfg.max_prompt_len + max_new_tokens + speculative)
+                           max_len=cfg.max_prompt_len + max_new_tokens + speculative,
+                           verify_stacks=bool(speculative) and not replay)
   tokens, num, stats, _ = _generate_jit(
       graphdef, params, cache, jnp.asarray(padded), jnp.asarray(lengths_np), jax.random.PRNGKey(seed),
       max_new_tokens=max_new_tokens, replay=bool(replay), temperature=float(temperature),

@@ -24,6 +24,14 @@ returns a ``VerifyStep`` (the cache with the drafts in the rings and KV caches, 
 windows); ``cache = lm.commit(step, num_accepted)`` keeps each row's accepted prefix: the cursor
 commit (the ring rollback), the conv-state rewind of every recurrent layer and the position
 advance (the KV rollback: entries past a slot's position are never read).
+
+Conventional speculative verify (the baseline): a cache made with ``init_cache(verify_stacks=True)``
+keeps each recurrent layer's state in a stack ``[N, T_max, ...]`` (``LMCache.stacks``, T_max =
+max_draft + 1) and ``LMCache.read_index[n]`` names the entry that holds slot n's state;
+``lm.verify(..., replay=False)`` steps that state through the T tokens and writes the state after
+token i to entry i (``gdn.verify_conventional`` / ``mamba2.verify_conventional``), ``commit`` sets
+``read_index = num_accepted - 1`` (the rollback) and leaves the cursor alone. Such a cache only runs
+``prefill``, ``verify(replay=False)``, ``commit`` and ``copy_slots``.
 """
 import dataclasses
 import math
@@ -40,6 +48,7 @@ from replayssm_jax import mamba2
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 from replayssm_jax.models.attention import Attention, AttentionConfig, AttentionLayerCache
 from replayssm_jax.models import _conv
+from replayssm_jax.models import _stack_verify
 from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, GdnLayerCache
 from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config, Mamba2LayerCache
 from replayssm_jax.models.moe import MoE, MoEConfig
@@ -232,10 +241,17 @@ class LMCache:
     positions: int32[N] tokens in each slot's sequence (the position of its next token), shared
       by all attention layers: KV entries at positions >= positions[n] (rejected drafts, an
       earlier sequence's tail) are not part of the sequence and get zero attention weight.
+    stacks: None, or (``init_cache(verify_stacks=True)``, conventional speculative verify) one
+      entry per mixer block: the state stack [N, T_max, ...] of a recurrent layer (slot n's state
+      is ``stacks[i][n, read_index[n]]``; the layer's ``bufs.state`` is then only prefill's
+      output), None for attention.
+    read_index: None, or int32[N] with ``stacks``: the stack entry holding each slot's state.
   """
   layers: tuple
   cursor: ReplayCursor
   positions: jax.Array
+  stacks: tuple | None = None
+  read_index: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -248,10 +264,13 @@ class VerifyStep:
     plan: the shared ``num_tokens=T`` ReplayPlan of the step.
     windows: tuple with one entry per mixer block: the conv window [B, W-1+T, C] of a recurrent
       layer (its stored inputs, then the T tokens' pre-conv inputs), None for attention.
+    replay: static; False for a conventional verify (the stacks hold the T states; commit moves
+      ``read_index``, not the cursor).
   """
   cache: LMCache
   plan: ReplayPlan
   windows: tuple
+  replay: bool = flax.struct.field(pytree_node=False, default=True)
 
 
 class RMSNorm(nnx.Module):
@@ -351,7 +370,7 @@ class LM(nnx.Module):
 
   def init_cache(self, num_slots: int, *, buffer_len: int = 16, max_draft: int = 0,
                  state_dtype=jnp.float32, ring_dtype=None, max_len: int | None = None,
-                 kv_dtype=None) -> LMCache:
+                 kv_dtype=None, verify_stacks: bool = False) -> LMCache:
     """Zeroed cache for ``num_slots`` slots.
 
     Args:
@@ -363,6 +382,8 @@ class LM(nnx.Module):
       max_len: KV capacity in tokens per slot (prompt + generated + drafts); required when the
         model has attention layers.
       kv_dtype: KV cache dtype (default: the model dtype).
+      verify_stacks: also allocate the state stacks [N, max_draft + 1, ...] (state_dtype) of
+        conventional speculative verify (``verify(replay=False)``).
     """
     if self.config.has_attention and max_len is None:
       raise ValueError("max_len=None but the model has attention layers; expected the KV cache "
@@ -374,7 +395,14 @@ class LM(nnx.Module):
         layers.append(b.mixer.init_cache(num_slots, max_len, dtype=kv_dtype))
       else:
         layers.append(b.mixer.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype))
-    return LMCache(layers=tuple(layers), cursor=cursor, positions=jnp.zeros((num_slots,), jnp.int32))
+    positions = jnp.zeros((num_slots,), jnp.int32)
+    if not verify_stacks:
+      return LMCache(layers=tuple(layers), cursor=cursor, positions=positions)
+    stacks = tuple(None if isinstance(lc, AttentionLayerCache) else
+                   jnp.zeros((num_slots, max_draft + 1) + lc.bufs.state.shape[1:], lc.bufs.state.dtype)
+                   for lc in layers)
+    return LMCache(layers=tuple(layers), cursor=cursor, positions=positions, stacks=stacks,
+                   read_index=jnp.zeros((num_slots,), jnp.int32))
 
   def _check_tokens(self, name, tokens, ndim, what):
     _checks.expect_dtype(name, tokens, (jnp.int32,))
@@ -437,15 +465,26 @@ class LM(nnx.Module):
     real = _conv.real_positions(tokens[..., None], slots, lengths)           # [B, T]
     start = self._start(cache, slots) if resume else jnp.zeros_like(lengths)
 
+    stacks = iter(cache.stacks or (None,) * len(cache.layers))
+
     def mixer_fn(block, x, lc):
+      stack = next(stacks)
       if isinstance(lc, AttentionLayerCache):
         return block.mixer.step(x, lc, slots, start, real, fresh=not resume)
-      S0 = ops[type(lc)].materialize(lc.bufs, cache.cursor, slots) if resume else None
+      S0 = None
+      if resume:
+        S0 = (ops[type(lc)].materialize(lc.bufs, cache.cursor, slots) if stack is None
+              else _stack_verify.current_state(stack, cache.read_index, slots))
       return block.mixer.prefill(x, lc, slots, lengths, initial_state=S0)
 
     h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
-    return self._head(h), LMCache(layers=layers, cursor=cache.cursor.reset(slots),
-                                  positions=self._advance(cache, slots, start, lengths))
+    out = cache.replace(layers=layers, cursor=cache.cursor.reset(slots),
+                        positions=self._advance(cache, slots, start, lengths))
+    if cache.stacks is not None:   # the prefill state becomes stack entry 0
+      out = out.replace(stacks=tuple(None if st is None else _stack_verify.put_state(st, slots, lc.bufs.state)
+                                     for st, lc in zip(cache.stacks, layers)),
+                        read_index=_slots.scatter_rows(cache.read_index, slots, jnp.zeros_like(slots)))
+    return self._head(h), out
 
   def _check_capacity(self, cache, num_tokens, resume):
     for lc in cache.layers:
@@ -475,6 +514,9 @@ class LM(nnx.Module):
     """
     self._check_tokens("tokens", tokens, 1, "(int32[B])")
     self._check_cache(cache)
+    if cache.stacks is not None:
+      raise ValueError("cache keeps its recurrent states in conventional verify stacks "
+                       "(init_cache(verify_stacks=True)); step it with verify(..., replay=False)")
     if flush_all is None:
       flush_all = replay and self._small_batch(cache, tokens.shape[0])
     plan = cache.cursor.plan(slots, force_flush=force_flush, flush_all=bool(flush_all))
@@ -489,8 +531,8 @@ class LM(nnx.Module):
     h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
     # Conventional mode never appends to the ring, so the windows stay empty and are not advanced.
     cursor = cache.cursor.commit(plan) if replay else cache.cursor
-    return self._head(h), LMCache(layers=layers, cursor=cursor,
-                                  positions=self._advance(cache, slots, start, jnp.ones_like(start)))
+    return self._head(h), cache.replace(layers=layers, cursor=cursor,
+                                        positions=self._advance(cache, slots, start, jnp.ones_like(start)))
 
   @staticmethod
   def _small_batch(cache: LMCache, batch: int) -> bool:
@@ -508,9 +550,9 @@ class LM(nnx.Module):
                     for lc in recurrent)
     return batch < threshold
 
-  def verify(self, tokens, cache: LMCache, slots, *, lengths=None, implementation=None,
+  def verify(self, tokens, cache: LMCache, slots, *, lengths=None, replay=True, implementation=None,
              force_flush=None):
-    """Speculative verify (ReplaySSM only): T tokens per row through every layer in one step.
+    """Speculative verify: T tokens per row through every layer in one step.
 
     Token 0 of a row is the token the model emitted last (not yet run), tokens 1..T-1 are
     drafts. ``logits[:, i]`` predicts the token after ``tokens[:, i]``, so draft i+1 is right
@@ -522,40 +564,59 @@ class LM(nnx.Module):
       cache: LMCache.
       slots: int32[B] pool slots (negative = padding row: no cache change, logits meaningless).
       lengths: optional int32[B] real tokens per row in [1, T] (None: all T).
-      implementation: forwarded to ``gdn.replay_verify`` / ``mamba2.replay_verify``.
-      force_flush: optional bool[B], as in ``decode``.
+      replay: ReplaySSM verify (True: drafts in the rings) or conventional verify (False: the
+        states after every token in the stacks of an ``init_cache(verify_stacks=True)`` cache).
+      implementation: forwarded to ``gdn.replay_verify`` / ``mamba2.replay_verify`` (or their
+        ``verify_conventional``).
+      force_flush: optional bool[B], as in ``decode`` (ReplaySSM only matters).
 
     Returns:
       (logits [B, T, vocab] float32, VerifyStep).
     """
     self._check_tokens("tokens", tokens, 2, "(int32[B, T])")
     self._check_cache(cache)
+    if not isinstance(replay, bool):
+      raise ValueError(f"replay={replay!r}; expected a bool")
+    if replay == (cache.stacks is not None):
+      raise ValueError(f"replay={replay} but the cache was made with verify_stacks="
+                       f"{cache.stacks is not None}; conventional verify (replay=False) needs the "
+                       f"stacks of init_cache(verify_stacks=True), ReplaySSM verify a cache without")
     t = tokens.shape[1]
     plan = cache.cursor.plan(slots, num_tokens=t, force_flush=force_flush)
     start = self._start(cache, slots)
     n_real = _slots.check_lengths(lengths, tokens.shape[0], t, slots)
     valid = (jnp.arange(t)[None, :] < n_real[:, None]) & (slots >= 0)[:, None]
-    windows = []
+    windows, stacks_in, stacks_out = [], iter(cache.stacks or (None,) * len(cache.layers)), []
+    read = None if replay else _slots.gather(cache.read_index, slots)
 
     def mixer_fn(block, x, lc):
+      stack = next(stacks_in)
       if isinstance(lc, AttentionLayerCache):
         windows.append(None)
+        stacks_out.append(None)
         return block.mixer.step(x, lc, slots, start, valid)
-      y, lc, window = block.mixer.verify(x, lc, plan, lengths=lengths, implementation=implementation)
+      if replay:
+        y, lc, window = block.mixer.verify(x, lc, plan, lengths=lengths, implementation=implementation)
+      else:
+        y, stack, window = _stack_verify.verify(block.mixer, x, lc, stack, slots, read, lengths=lengths,
+                                                implementation=implementation)
       windows.append(window)
+      stacks_out.append(stack)
       return y, lc
 
     h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
-    return self._head(h), VerifyStep(cache=cache.replace(layers=layers), plan=plan,
-                                     windows=tuple(windows))
+    out = cache.replace(layers=layers) if replay else cache.replace(layers=layers, stacks=tuple(stacks_out))
+    return self._head(h), VerifyStep(cache=out, plan=plan, windows=tuple(windows), replay=replay)
 
   def commit(self, step: VerifyStep, num_accepted) -> LMCache:
     """Keeps the first ``num_accepted[b]`` tokens of each row of a ``verify`` step (the rollback).
 
     The shared cursor advances by the accepted counts (rejected drafts stay unfolded past the
-    window and are overwritten later), every recurrent layer's conv state rolls forward by the
-    accepted tokens only, and each slot's position advances by its accepted count (rejected KV
-    entries sit past it). Afterwards the cache equals one that decoded just the accepted tokens.
+    window and are overwritten later) — or, after a conventional verify, each slot's
+    ``read_index`` becomes ``num_accepted - 1`` (the stack entry after its last accepted token) —
+    every recurrent layer's conv state rolls forward by the accepted tokens only, and each slot's
+    position advances by its accepted count (rejected KV entries sit past it). Afterwards the cache
+    equals one that decoded just the accepted tokens.
 
     Args:
       step: the VerifyStep of ``verify``.
@@ -567,18 +628,22 @@ class LM(nnx.Module):
     if not isinstance(step, VerifyStep):
       raise ValueError(f"step must be the VerifyStep of LM.verify; got {type(step).__name__}")
     cache, plan = step.cache, step.plan
-    cursor = cache.cursor.commit(plan, num_accepted)
     layers = tuple(lc if w is None else b.mixer.commit(lc, w, plan, num_accepted)
                    for b, lc, w in zip(self.mixer_blocks, cache.layers, step.windows))
     start = self._start(cache, plan.slots)
-    return LMCache(layers=layers, cursor=cursor,
-                   positions=self._advance(cache, plan.slots, start, num_accepted))
+    out = cache.replace(layers=layers, positions=self._advance(cache, plan.slots, start, num_accepted))
+    if step.replay:
+      return out.replace(cursor=cache.cursor.commit(plan, num_accepted))
+    _checks.expect_dtype("num_accepted", num_accepted, (jnp.int32,))
+    _checks.expect_shape("num_accepted", num_accepted, (plan.batch_size,), "(int32[B], in [1, T])")
+    return out.replace(read_index=_slots.scatter_rows(cache.read_index, plan.slots, num_accepted - 1))
 
   def copy_slots(self, cache: LMCache, src, dst) -> LMCache:
     """Every layer's cache and the slot state of ``src[i]`` → ``dst[i]`` (prefix snapshots).
 
-    Recurrent layers copy checkpoint, ring, window (``copy_slots`` of their family) and conv
-    state; attention layers copy the slot's KV row; the position is copied too.
+    Recurrent layers copy checkpoint, ring, window (``copy_slots`` of their family), conv state
+    and (conventional verify caches) their state stack row and read index; attention layers copy
+    the slot's KV row; the position is copied too.
 
     Args:
       cache: LMCache.
@@ -598,7 +663,11 @@ class LM(nnx.Module):
         continue
       bufs, cursor = ops[type(lc)].copy_slots(lc.bufs, cache.cursor, src, dst)
       layers.append(lc.replace(bufs=bufs, conv_state=copy_rows(lc.conv_state)))
-    return LMCache(layers=tuple(layers), cursor=cursor, positions=copy_rows(cache.positions))
+    out = cache.replace(layers=tuple(layers), cursor=cursor, positions=copy_rows(cache.positions))
+    if cache.stacks is None:
+      return out
+    return out.replace(stacks=tuple(None if st is None else copy_rows(st) for st in cache.stacks),
+                       read_index=copy_rows(cache.read_index))
 
 
 def make_model(config: LMConfig | None = None, seed: int = 0) -> LM:

@@ -5,17 +5,41 @@ max_running + prefix_slots)`` hold prefix snapshots. Each engine ``step()``:
 
 1. admits waiting requests into free slots: prefill (one jitted ``LM.prefill`` per request, prompt
    padded to a fixed width, so one compilation) and the first token from the prefill logits;
-2. runs ONE decode token for every running request in a fixed batch bucket (the smallest of
+2. runs ONE model step for every running request in a fixed batch bucket (the smallest of
    ``batch_buckets`` that holds them; the other rows are padding rows, slot −1), so there is one
-   compiled step per bucket whatever requests join, finish or sit in which slot;
+   compiled step per bucket (and verify width) whatever requests join, finish or sit in which
+   slot: a decode step (one token per row) or, with speculative decoding, a verify step;
 3. retires requests that hit a stop token or ``max_new_tokens``; their slots are free at once.
+
+Speculative decoding (``num_drafts = k > 0``): every running request gets up to k drafts per step
+from its own n-gram drafter (``drafter.NgramDrafter``: what followed the latest earlier occurrence
+of its last ``ngram`` tokens in its prompt + generated tokens) and the step verifies the last
+emitted token plus the drafts (``LM.verify``, T = 1 + the largest ``num_drafts`` of the running
+requests; one compiled program per bucket and T). Rows share the step with different draft
+counts through ``lengths``: a row with d < T - 1 drafts (none, for ``num_drafts=0`` requests or
+rows cut to 0) is a (d + 1)-token lane, its padded lanes inert. Each row emits its accepted drafts
+plus one model token (``models.sampling.speculative_sample``: greedy, or rejection sampling at
+temperature > 0) and commits exactly that many inputs (``LM.commit``: cursor, conv-state and KV
+rollback). A step in which no row has a draft is a plain decode step. Drafts are cut per row so
+that the emitted run never passes ``max_new_tokens`` (so the KV capacity of ``submit`` holds) nor
+a prefix-cache block boundary (below). Greedy tokens are those of ``num_drafts=0`` (up to float32
+rounding: verify and decode sum in other orders); sampled tokens have the same distribution (not
+the same draws). ``replay=False`` with ``num_drafts > 0`` verifies conventionally: the recurrent
+states live in per-slot stacks of T_max = k + 1 states (``LM.init_cache(verify_stacks=True)``)
+and the rollback picks the state at the accepted index, the baseline for ReplaySSM verify.
 
 Prefix caching (``prefix_block > 0``): a prompt is prefilled in blocks of ``prefix_block`` tokens
 (``LM.prefill(..., resume=True)`` continues a slot's sequence) and after each full block the slot is
 snapshotted into a prefix slot (``copy_slots`` of every layer plus its conv state), keyed by the
 token prefix. During decode, a row whose sequence reaches a block boundary gets a *forced flush*
-(``cursor.plan(force_flush=...)`` through ``LM.decode``) so its checkpoint is exactly the state
-there with an empty ring window, then it is snapshotted too. A later request whose prompt starts
+(``cursor.plan(force_flush=...)`` through ``LM.decode`` / ``LM.verify``) so its checkpoint is
+exactly the state there with an empty ring window, then it is snapshotted too. A snapshot is only
+taken between steps, when the slot's state covers exactly a block boundary, so speculative rows
+never jump over one: their drafts are cut to end on the next boundary below max_prompt_len
+(cached or not, so a request's draft counts depend on the request alone). A row whose last
+emitted token reaches a boundary is a one-token lane (forced flush, as in decode); a run of
+accepted drafts that ends on a boundary is snapshotted with its ring window (``copy_slots``
+copies checkpoint, ring and cursor, so that snapshot is exact too). A later request whose prompt starts
 with a cached prefix (at least one token must remain to produce logits) copies the snapshot into
 its slot and prefills only the rest. Snapshots are evicted least-recently-used. If caching is on,
 prompts were looked up, and nothing ever hit, ``run()`` warns (``RuntimeWarning`` + log).
@@ -23,12 +47,14 @@ prompts were looked up, and nothing ever hit, ``run()`` warns (``RuntimeWarning`
 Preemption: ``preempt(directory)`` writes params and cache with Orbax (``StandardCheckpointer``)
 plus the host scheduler state (requests, slots, snapshots, clocks) as JSON and closes the engine;
 ``Engine.resume(directory)`` rebuilds it and continues bit for bit: the same compiled programs
-see the same arrays.
+see the same arrays (the drafters are rebuilt from each request's tokens: they are a function of
+them).
 
 Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
-request, so tokens never depend on the batch a request shares. Stats per request: prompt and
-generated tokens, prefix-hit tokens, time to first token, decode tokens/s (engine clock: time
-spent preempted is not counted).
+request, so tokens never depend on the batch a request shares (speculative draws derive from the
+same per-position key, ``models.sampling``). Stats per request: prompt and
+generated tokens, prefix-hit tokens, drafts proposed and accepted, time to first token, decode
+tokens/s (engine clock: time spent preempted is not counted).
 """
 import collections
 import dataclasses
@@ -43,10 +69,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax import gdn
-from replayssm_jax import mamba2
-from replayssm_jax.models.gated_deltanet import GdnLayerCache
+from replayssm_jax import config as config_lib
+from replayssm_jax.models import sampling
+from replayssm_jax.models.generate import MAX_DRAFTS
 from replayssm_jax.models.lm import LM, LMConfig
+from replayssm_jax.serving.drafter import NgramDrafter
 
 logger = logging.getLogger(__name__)
 PAD_TOKEN = 0
@@ -59,9 +86,17 @@ class EngineConfig:
   Attributes:
     max_running: request slots: how many requests decode at once.
     batch_buckets: decode batch sizes, increasing; the last must be >= max_running. Each bucket
-      is one compiled decode step.
-    buffer_len: ReplaySSM buffer length L (checkpoint written every L tokens).
-    replay: ReplaySSM decode (True) or conventional decode (False).
+      is one compiled decode step (and, drafting, one verify step per T).
+    buffer_len: ReplaySSM buffer length L (checkpoint written every L tokens); None: the
+      measured default ``config.buffer_len_for(num_drafts + 1)`` (16 without drafts). At least
+      num_drafts + 1.
+    replay: ReplaySSM decode and verify (True) or conventional decode and verify (False).
+    num_drafts: speculative decoding (see the module docstring): up to k n-gram drafts per
+      request and step, verified with the last token in one step of T = k + 1 tokens;
+      0 <= k <= 7 (0: off). A request may ask for fewer (``submit(num_drafts=)``). With
+      ``replay=False`` the verify is conventional: every recurrent layer keeps k + 1 states per
+      slot (``LM.init_cache(verify_stacks=True)``), the baseline to time ReplaySSM verify against.
+    ngram: n-gram length the drafter matches.
     prefix_block: prefix-cache block in tokens; 0 turns prefix caching off.
     prefix_slots: pool slots for prefix snapshots (>= 1 when prefix_block > 0).
     max_prompt_len: longest prompt accepted; None = the model's ``config.max_prompt_len``.
@@ -73,8 +108,10 @@ class EngineConfig:
   """
   max_running: int = 4
   batch_buckets: tuple = (1, 2, 4)
-  buffer_len: int = 16
+  buffer_len: int | None = None
   replay: bool = True
+  num_drafts: int = 0
+  ngram: int = 2
   prefix_block: int = 0
   prefix_slots: int = 0
   max_prompt_len: int | None = None
@@ -84,10 +121,21 @@ class EngineConfig:
   implementation: str | None = None
 
   def __post_init__(self):
-    for name, lo in (("max_running", 1), ("buffer_len", 1), ("prefix_block", 0), ("prefix_slots", 0)):
+    for name, lo in (("max_running", 1), ("prefix_block", 0), ("prefix_slots", 0), ("num_drafts", 0),
+                     ("ngram", 1)):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ValueError(f"{name}={value!r}; expected an int >= {lo}")
+    if self.num_drafts > MAX_DRAFTS:
+      raise ValueError(f"num_drafts={self.num_drafts}; expected at most {MAX_DRAFTS} (verify runs "
+                       f"T = num_drafts + 1 <= {MAX_DRAFTS + 1} tokens per row)")
+    if self.buffer_len is None:
+      object.__setattr__(self, "buffer_len", config_lib.buffer_len_for(self.num_drafts + 1))
+    if not isinstance(self.buffer_len, int) or isinstance(self.buffer_len, bool) or self.buffer_len < 1:
+      raise ValueError(f"buffer_len={self.buffer_len!r}; expected None or an int >= 1")
+    if self.buffer_len < self.num_drafts + 1:
+      raise ValueError(f"buffer_len={self.buffer_len} with num_drafts={self.num_drafts}; expected "
+                       f"buffer_len >= num_drafts + 1 (a flushed row's drafts must fit its window)")
     buckets = tuple(self.batch_buckets)
     if (not buckets or any(not isinstance(b, int) or b < 1 for b in buckets)
         or list(buckets) != sorted(set(buckets)) or buckets[-1] < self.max_running):
@@ -112,12 +160,15 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RequestStats:
-  """Per-request statistics (seconds on the engine clock)."""
+  """Per-request statistics (seconds on the engine clock). ``drafted_tokens``: drafts verified for
+  the request; ``accepted_drafts``: those the model accepted (acceptance rate = their ratio)."""
   request_id: str
   slot: int
   prompt_tokens: int
   generated_tokens: int
   prefix_hit_tokens: int
+  drafted_tokens: int
+  accepted_drafts: int
   time_to_first_token_s: float
   decode_tokens_per_s: float
   total_s: float
@@ -132,32 +183,22 @@ class _Request:
   temperature: float
   seed: int
   t_submit: float
+  num_drafts: int = 0
   slot: int = -1
   generated: list = dataclasses.field(default_factory=list)
   done: bool = False
   prefix_hit: int = 0
+  drafted: int = 0
+  accepted: int = 0
   t_first: float | None = None
   t_done: float | None = None
-
-
-def _sample(logits, temps, seeds, positions):
-  """logits [B, vocab] → int32[B]: argmax where temps == 0, else categorical(logits / T) with
-  key fold_in(PRNGKey(seed), position) per row."""
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  safe = jnp.where(temps > 0, temps, 1.0)
-
-  def draw(row, t, seed, pos):
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), pos)
-    return jax.random.categorical(key, row / t).astype(jnp.int32)
-  sampled = jax.vmap(draw)(logits, safe, seeds, positions)
-  return jnp.where(temps > 0, sampled, greedy)
 
 
 def _prefill_impl(graphdef, params, cache, tokens, slots, lengths, temps, seeds, *, resume):
   model = nnx.merge(graphdef, params)
   logits, cache = model.prefill(tokens, cache, slots, lengths, resume=resume)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-  return _sample(last, temps, seeds, jnp.zeros_like(seeds)), cache
+  return sampling.sample(last, temps, sampling.seed_keys(seeds), jnp.zeros_like(seeds)), cache
 
 
 def _decode_impl(graphdef, params, cache, tokens, slots, force, temps, seeds, positions, *, replay,
@@ -165,7 +206,20 @@ def _decode_impl(graphdef, params, cache, tokens, slots, force, temps, seeds, po
   model = nnx.merge(graphdef, params)
   logits, cache = model.decode(tokens, cache, slots, replay=replay, implementation=implementation,
                                force_flush=force)
-  return _sample(logits, temps, seeds, positions), cache
+  return sampling.sample(logits, temps, sampling.seed_keys(seeds), positions), cache
+
+
+def _verify_impl(graphdef, params, cache, tokens, lengths, slots, force, temps, seeds, positions, *,
+                 replay, implementation):
+  """tokens int32[B, T] (last emitted token, drafts, padding), lengths int32[B] →
+  (run int32[B, T], num_emitted int32[B], cache): row b emits ``run[b, :num_emitted[b]]`` and
+  commits as many inputs."""
+  model = nnx.merge(graphdef, params)
+  logits, step = model.verify(tokens, cache, slots, lengths=lengths, replay=replay,
+                              implementation=implementation, force_flush=force)
+  run, emitted = sampling.speculative_sample(logits, tokens[:, 1:], lengths - 1, temps,
+                                             sampling.seed_keys(seeds), positions)
+  return run, emitted, model.commit(step, emitted)
 
 
 def _copy_impl(graphdef, params, cache, src, dst):
@@ -175,6 +229,8 @@ def _copy_impl(graphdef, params, cache, src, dst):
 
 _prefill_jit = jax.jit(_prefill_impl, donate_argnames=("cache",), static_argnames=("graphdef", "resume"))
 _decode_jit = jax.jit(_decode_impl, donate_argnames=("cache",),
+                      static_argnames=("graphdef", "replay", "implementation"))
+_verify_jit = jax.jit(_verify_impl, donate_argnames=("cache",),
                       static_argnames=("graphdef", "replay", "implementation"))
 _copy_jit = jax.jit(_copy_impl, donate_argnames=("cache",), static_argnames=("graphdef",))
 
@@ -213,6 +269,7 @@ class Engine:
     self._free = list(range(config.max_running))
     self._snapshots: collections.OrderedDict = collections.OrderedDict()   # prefix tuple → slot
     self._free_snapshots = list(range(config.max_running, config.num_slots))
+    self._drafters: dict[str, NgramDrafter] = {}   # rebuilt from the tokens when missing (resume)
     self.prefix_lookups = self.prefix_hits = self.steps = 0
     self._warned = False
     self._clock_base, self._t0 = 0.0, time.perf_counter()
@@ -221,7 +278,7 @@ class Engine:
   # ---- public API ----------------------------------------------------------------------------
 
   def submit(self, prompt, *, max_new_tokens: int, stop_tokens=(), temperature: float = 0.0,
-             seed: int = 0, request_id: str | None = None) -> str:
+             seed: int = 0, num_drafts: int | None = None, request_id: str | None = None) -> str:
     """Queues a request; returns its id.
 
     Args:
@@ -231,6 +288,8 @@ class Engine:
       stop_tokens: ids that end the request (the stop token is emitted).
       temperature: 0 = greedy, else sampling from softmax(logits / temperature); finite.
       seed: sampling seed (tokens do not depend on the batch).
+      num_drafts: drafts per step for this request, 0 to ``EngineConfig.num_drafts`` (0: no
+        drafting); None = ``EngineConfig.num_drafts``.
       request_id: optional id (default ``req<N>``).
     """
     self._check_open()
@@ -252,6 +311,12 @@ class Engine:
       raise ValueError(f"temperature={temperature!r}; expected a finite float >= 0")
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**31:
       raise ValueError(f"seed={seed!r}; expected an int in [0, 2**31)")
+    k_max = self.config.num_drafts
+    num_drafts = k_max if num_drafts is None else num_drafts
+    if (not isinstance(num_drafts, (int, np.integer)) or isinstance(num_drafts, bool)
+        or not 0 <= num_drafts <= k_max):
+      raise ValueError(f"num_drafts={num_drafts!r}; expected None or an int in [0, {k_max}] "
+                       f"(EngineConfig.num_drafts)")
     stops = _token_ids("stop_tokens", stop_tokens)
     if any(not 0 <= s < vocab for s in stops):
       raise ValueError(f"stop_tokens={stops}; expected ids in [0, {vocab})")
@@ -260,7 +325,7 @@ class Engine:
       raise ValueError(f"request_id={rid!r} was already submitted")
     self._requests[rid] = _Request(rid=rid, prompt=prompt, max_new_tokens=max_new_tokens,
                                    stop_tokens=stops, temperature=float(temperature), seed=int(seed),
-                                   t_submit=self._clock())
+                                   num_drafts=int(num_drafts), t_submit=self._clock())
     self._waiting.append(rid)
     return rid
 
@@ -270,8 +335,8 @@ class Engine:
     return not self._waiting and not self._running
 
   def step(self) -> list:
-    """Admits waiting requests, decodes one token for every running request; returns the ids
-    that finished during this step."""
+    """Admits waiting requests, runs one decode (or verify) step for every running request;
+    returns the ids that finished during this step."""
     self._check_open()
     finished = self._admit()
     if self._running:
@@ -303,7 +368,7 @@ class Engine:
     rate = (len(r.generated) - 1) / decode_s if decode_s > 0 and len(r.generated) > 1 else float("nan")
     return RequestStats(request_id=r.rid, slot=r.slot, prompt_tokens=len(r.prompt),
                         generated_tokens=len(r.generated), prefix_hit_tokens=r.prefix_hit,
-                        time_to_first_token_s=ttft, decode_tokens_per_s=rate, total_s=end - r.t_submit)
+                        drafted_tokens=r.drafted, accepted_drafts=r.accepted, time_to_first_token_s=ttft, decode_tokens_per_s=rate, total_s=end - r.t_submit)
 
   @property
   def cache(self):
@@ -381,31 +446,87 @@ class Engine:
                              jnp.array([dst], jnp.int32))
     self._snapshots[key] = dst
 
+  def _snapshot_due(self, r: _Request, n: int, run=()) -> bool:
+    """A slot whose state covers the first n tokens of ``r.prompt + r.generated + run`` is
+    snapshotted there: a block boundary below max_prompt_len, not cached yet. (The tokens are
+    only gathered at a boundary: O(1) per row and step elsewhere.)"""
+    block = self.config.prefix_block
+    if not block or n % block or n >= self.max_prompt_len:
+      return False
+    return tuple((r.prompt + r.generated + list(run))[:n]) not in self._snapshots
+
+  def _draft_count(self, r: _Request, n: int) -> int:
+    """Drafts row r verifies this step (its state covers its first n - 1 tokens; token 0 is the
+    n-th).
+
+    The run emits at most drafts + 1 tokens, so the drafts are cut to the remaining budget minus
+    one, and so that the state after the step covers at most the first block boundary b >= n
+    (a snapshot needs a step that ends there): 0 drafts when token 0 reaches b itself. The cut
+    depends on the request alone (not on what is cached), so its tokens stay independent of the
+    other requests.
+    """
+    block = self.config.prefix_block
+    k = min(r.num_drafts, r.max_new_tokens - len(r.generated) - 1)
+    boundary = -(-n // block) * block if block else self.max_prompt_len
+    if boundary < self.max_prompt_len:   # no snapshot is kept at max_prompt_len or beyond
+      k = min(k, boundary - n)
+    return max(k, 0)
+
+  def _drafts(self, r: _Request, n: int) -> list:
+    k = self._draft_count(r, n) if self.config.num_drafts else 0
+    if not k:
+      return []
+    if r.rid not in self._drafters:
+      self._drafters[r.rid] = NgramDrafter(r.prompt + r.generated, ngram=self.config.ngram)
+    return self._drafters[r.rid].drafts(k)
+
   def _decode(self) -> list:
     cfg = self.config
     reqs = [self._requests[rid] for rid in self._running]
     width = next(b for b in cfg.batch_buckets if b >= len(reqs))
-    seqs = [r.prompt + r.generated for r in reqs]
-    force = [bool(cfg.prefix_block) and len(s) % cfg.prefix_block == 0
-             and len(s) < self.max_prompt_len and tuple(s) not in self._snapshots for s in seqs]
-    nxt, self._cache = _decode_jit(
-        self._graphdef, self._params, self._cache,
-        self._rows([r.generated[-1] for r in reqs], width, PAD_TOKEN, np.int32),
-        self._rows([r.slot for r in reqs], width, -1, np.int32),
-        self._rows(force, width, False, bool),
-        self._rows([r.temperature for r in reqs], width, 0.0, np.float32),
-        self._rows([r.seed for r in reqs], width, 0, np.int32),
-        self._rows([len(r.generated) for r in reqs], width, 0, np.int32),
-        replay=cfg.replay, implementation=cfg.implementation)
-    nxt = np.asarray(nxt)
-    for r, s, f in zip(reqs, seqs, force):
-      if f:
-        self._snapshot(r.slot, s)
+    lens = [len(r.prompt) + len(r.generated) for r in reqs]
+    # A row whose last token reaches a block boundary flushes, so the snapshot's window is empty.
+    force = [self._snapshot_due(r, n) for r, n in zip(reqs, lens)]
+    drafts = [self._drafts(r, n) for r, n in zip(reqs, lens)]
+    rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
+    per_row = (rows([r.slot for r in reqs], -1, np.int32), rows(force, False, bool),
+               rows([r.temperature for r in reqs], 0.0, np.float32),
+               rows([r.seed for r in reqs], 0, np.int32),
+               rows([len(r.generated) for r in reqs], 0, np.int32))
+    stacks = self._cache.stacks is not None
+    if any(drafts) or stacks:
+      # One program per (bucket, T): T from the requests' draft counts, not from this step's cuts.
+      t = 1 + max(r.num_drafts for r in reqs)
+      tokens = np.full((width, t), PAD_TOKEN, np.int32)
+      for i, (r, d) in enumerate(zip(reqs, drafts)):
+        tokens[i, :1 + len(d)] = [r.generated[-1]] + d
+      run, emitted, self._cache = _verify_jit(
+          self._graphdef, self._params, self._cache, jnp.asarray(tokens),
+          rows([1 + len(d) for d in drafts], 1, np.int32), *per_row,
+          replay=cfg.replay, implementation=cfg.implementation)
+      run, emitted = np.asarray(run), np.asarray(emitted)
+      runs = [run[i, :emitted[i]].tolist() for i in range(len(reqs))]
+    else:
+      nxt, self._cache = _decode_jit(
+          self._graphdef, self._params, self._cache,
+          rows([r.generated[-1] for r in reqs], PAD_TOKEN, np.int32), *per_row,
+          replay=cfg.replay, implementation=cfg.implementation)
+      runs = [[int(tok)] for tok in np.asarray(nxt)[:len(reqs)]]
+    for r, n, run in zip(reqs, lens, runs):
+      covered = n - 1 + len(run)          # the state covers token 0 and the accepted drafts
+      if self._snapshot_due(r, covered, run):
+        self._snapshot(r.slot, (r.prompt + r.generated + run)[:covered])
     finished = []
-    for i, r in enumerate(reqs):
-      if self._append(r, int(nxt[i])):
+    for r, d, run in zip(reqs, drafts, runs):
+      r.drafted += len(d)
+      r.accepted += len(run) - 1
+      # A stop token ends the run; the tokens after it were committed but the slot is freed.
+      if any(self._append(r, tok) for tok in run):
         finished.append(r.rid)
         self._running.remove(r.rid)
+        self._drafters.pop(r.rid, None)
+      elif r.rid in self._drafters:
+        self._drafters[r.rid].extend(run)
     return finished
 
   def _append(self, r: _Request, token: int) -> bool:
@@ -494,9 +615,10 @@ class Engine:
 
 def _init_cache(model: LM, config: EngineConfig, max_seq_len: int):
   return model.init_cache(
-      config.num_slots, buffer_len=config.buffer_len, state_dtype=jnp.dtype(config.state_dtype),
+      config.num_slots, buffer_len=config.buffer_len, max_draft=config.num_drafts,
+      state_dtype=jnp.dtype(config.state_dtype),
       ring_dtype=None if config.ring_dtype is None else jnp.dtype(config.ring_dtype),
-      max_len=max_seq_len)
+      max_len=max_seq_len, verify_stacks=not config.replay and config.num_drafts > 0)
 
 
 def _token_ids(name: str, ids) -> list:

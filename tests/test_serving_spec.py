@@ -1,0 +1,269 @@
+"""Speculative decoding in the serving engine (CPU, float32), on test_serving's tiny hybrid of
+GatedDeltaNet, attention (KV cache) and MoE layers with a "looping" head (test_models_spec: greedy
+streams fall into short cycles, so the n-gram drafts hit) and test_serving's pool shape. (Mamba2
+and GDN-only stacks: test_models_spec runs their speculative generate, ReplaySSM and conventional.)
+
+* With 3 drafts per step, requests asking for 0 and 1 drafts sharing the steps as 1- and 2-token
+  lanes and requests joining at other steps, every request gets the tokens of the engine without
+  drafting (greedy; and a sampled 1-token-lane request its sampled tokens); a stop token inside
+  an accepted run and ``max_new_tokens`` cut exactly; one verify program, compiled once.
+  (test_serving shows that the engine's tokens are ``generate``'s.)
+* Prefix caching with drafting, ReplaySSM and conventional verify (state stacks): every snapshot
+  (prompt blocks, forced-flush lanes, runs of accepted drafts that end on a boundary) equals a
+  fresh prefill of its key tokens (recurrent state, conv state, KV entries, position), and the
+  tokens — of the drafting request and of requests that hit its snapshots — are a cold run's.
+* Preempt → resume with drafting, sampling and prefix caching continues bit for bit; a sampled
+  drafting request gets the same tokens alone.
+* ``NgramDrafter`` proposes what ``ngram_drafts`` proposes; bad options raise ValueError.
+"""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import replayssm_jax as rs
+from replayssm_jax.models import make_model
+from replayssm_jax.models import _stack_verify
+from replayssm_jax.models.attention import AttentionLayerCache
+from replayssm_jax.models.gated_deltanet import GdnLayerCache
+from replayssm_jax.serving import Engine, EngineConfig
+from replayssm_jax.serving import engine as engine_module
+from replayssm_jax.serving.drafter import NgramDrafter
+from tests.test_models_spec import _looping
+from tests.test_serving import BASE, HYBRID, MAX_PROMPT
+
+generate_module = importlib.import_module("replayssm_jax.models.generate")
+
+K = 3
+PLAIN = EngineConfig(**BASE)
+# Drafting engines run every step in the 4-row bucket (padding rows included): one verify
+# program per T to compile; PLAIN shares test_serving's programs.
+DRAFTING = BASE | dict(batch_buckets=(4,))
+SPEC = EngineConfig(**DRAFTING, num_drafts=K)
+RNG = np.random.RandomState(1)
+# Prompt 0 holds the cycle its greedy stream follows (drafts hit from the first step), 2 enters a
+# cycle after a few tokens, 1 and 3 are random.
+PROMPTS = [[200, 201, 202, 203] * 2 + [200], RNG.randint(1, 256, 12).tolist(),
+           [5, 9, 100, 101, 102, 103, 100, 101], RNG.randint(1, 256, 3).tolist()]
+NEW = [14, 11, 16, 9]
+DRAFTS = [None, 0, 1, None]     # per-request num_drafts (None: the engine's K)
+# r1 samples; the looping head is peaked, so at temperature 8 about one draw in ten leaves the
+# cycle (below: r1's tokens are not its greedy ones).
+SUBMIT = {1: dict(temperature=8.0, seed=5)}
+
+
+@pytest.fixture(scope="module")
+def model():
+  # (its four layers weigh more against the embedding than test_models_spec's one or two: a
+  # smaller scale for similar cycles)
+  return _looping(make_model(HYBRID, seed=0), mixer_scale=0.15)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+  """Tokens of the engine without drafting (all four requests in one run; r1 samples), and the
+  greedy ones of all four."""
+  engine = Engine(model, PLAIN)
+  ids = [engine.submit(p, max_new_tokens=n, **SUBMIT.get(i, {}))
+         for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+  greedy = [engine.submit(p, max_new_tokens=n) for p, n in zip(PROMPTS, NEW)]
+  out = engine.run()
+  return [out[i] for i in ids], [out[i] for i in greedy]
+
+
+def _schedule(model, config, joins, submit=None):
+  """Submits request i at step joins[i] (SUBMIT's options, updated by ``submit``); returns
+  (tokens per request, engine)."""
+  submit = {i: SUBMIT.get(i, {}) | (submit or {}).get(i, {}) for i in range(4)}
+  engine = Engine(model, config)
+  step, pending = 0, list(range(4))
+  while pending or not engine.idle:
+    for i in [i for i in pending if joins[i] <= step]:
+      engine.submit(PROMPTS[i], max_new_tokens=NEW[i], num_drafts=DRAFTS[i], request_id=f"r{i}",
+                    **submit[i])
+      pending.remove(i)
+    engine.step()
+    step += 1
+  out = engine.outputs()
+  return [out[f"r{i}"] for i in range(4)], engine
+
+
+def test_speculative_greedy_equals_plain_greedy(model, plain, monkeypatch):
+  plain, greedy = plain
+  assert plain[1] != greedy[1] and plain[0] == greedy[0]
+  jitted, shapes = engine_module._verify_jit, []     # the (bucket, T) of every verify step
+
+  def recording(*args, **kwargs):
+    shapes.append(args[3].shape)
+    return jitted(*args, **kwargs)
+  monkeypatch.setattr(engine_module, "_verify_jit", recording)
+  assert plain[0][:3] == [201, 202, 203]    # prompt 0's stream continues its cycle for 3 tokens
+  # Given drafting with requests joining at different steps (r3 waits for a slot),
+  tokens, engine = _schedule(model, SPEC, [0, 0, 1, 2])
+  # then every request gets the plain tokens — greedy, and r1's sampled ones (keys by position:
+  # a 1-token lane draws as a decode step does) — max_new_tokens exactly,
+  assert tokens == plain
+  stats = [engine.stats(f"r{i}") for i in range(4)]
+  assert all(s.generated_tokens == n for s, n in zip(stats, NEW))
+  # drafts hit (r0's first step accepts two or three), the 0-draft request never drafted and the
+  # 1-draft request drafted one per step, in steps of 4 rows and T = 4 (one program),
+  assert stats[0].accepted_drafts >= 2 and sum(s.accepted_drafts for s in stats) >= 2 * K
+  assert stats[1].drafted_tokens == 0 and 0 < stats[2].drafted_tokens <= NEW[2] - 1
+  assert set(shapes) == {(4, K + 1)}
+  # and a stop token inside an accepted run (r0's second token: lane 0 of its first step, whose
+  # lane 1 accepts too) ends the request right there. Once r0 and r3 are done, only the 0- and
+  # 1-draft requests run: steps of T = 2, the one new program that schedule compiles.
+  seen, before = set(shapes), jitted._cache_size()
+  cut, _ = _schedule(model, SPEC, [0, 0, 1, 2], {0: dict(stop_tokens=(plain[0][1],))})
+  assert cut[0] == plain[0][:2] and cut[1:] == plain[1:]
+  assert set(shapes) - seen == {(4, 2)} and jitted._cache_size() == before + 1
+
+
+def _slot_view(model, cache, slot):
+  """Everything that makes a slot's sequence state: per layer the exact recurrent state
+  (checkpoint ⊕ window, or the stack entry), the conv state, the KV entries before the
+  position; and the position."""
+  slots = jnp.array([slot], jnp.int32)
+  pos = int(cache.positions[slot])
+  view = {"position": pos}
+  stacks = cache.stacks or (None,) * len(cache.layers)
+  for i, (lc, stack) in enumerate(zip(cache.layers, stacks)):
+    if isinstance(lc, AttentionLayerCache):
+      view[f"k{i}"], view[f"v{i}"] = np.asarray(lc.k[slot, :pos]), np.asarray(lc.v[slot, :pos])
+      continue
+    ops = rs.gdn if isinstance(lc, GdnLayerCache) else rs.mamba2
+    state = (ops.materialize(lc.bufs, cache.cursor, slots) if stack is None
+             else _stack_verify.current_state(stack, cache.read_index, slots))
+    view[f"state{i}"], view[f"conv{i}"] = np.asarray(state[0]), np.asarray(lc.conv_state[slot])
+  return view
+
+
+def _reference_view(model, tokens):
+  """_slot_view of a fresh prefill of ``tokens`` (one slot, padded to MAX_PROMPT: one compile)."""
+  graphdef, params = nnx.split(model)
+  cache = model.init_cache(1, buffer_len=BASE["buffer_len"], max_len=MAX_PROMPT)
+  padded = np.zeros((1, MAX_PROMPT), np.int32)
+  padded[0, :len(tokens)] = tokens
+  one, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
+  _, cache = engine_module._prefill_jit(graphdef, params, cache, jnp.asarray(padded), zero,
+                                        len(tokens) * one, zero.astype(jnp.float32), zero, resume=False)
+  return _slot_view(model, cache, 0)
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "conventional"])
+def test_prefix_snapshots_with_drafting_are_exact(model, replay):
+  # Given prefix caching in blocks of 4 with drafting (3 snapshot slots, LRU): a 19-token prompt
+  # (snapshots at 4 .. 16) that decodes across 20, 24 and 28 (decode snapshots),
+  config = EngineConfig(**DRAFTING, prefix_block=4, num_drafts=K, replay=replay)
+  a = [16, 17, 18, 19] * 4 + [16, 17, 18]               # both models' streams continue the cycle
+  engine = Engine(model, config)
+  ra = engine.submit(a, max_new_tokens=12)
+  seen, kinds = {}, []
+  while not engine.idle:
+    engine.step()
+    for key, slot in engine._snapshots.items():
+      if key not in seen:
+        seen[key] = _slot_view(model, engine.cache, slot)
+        if len(key) > len(a):
+          kinds.append(int(engine.cache.cursor.count[slot]))
+  gen_a = engine.outputs()[ra]
+  # every snapshot seen after a step (the first step prefills and decodes: 4 and 8 are evicted
+  # in it) equals, when it was made, a prefill of its key tokens,
+  assert sorted(map(len, seen)) == [12, 16, 20, 24, 28]
+  for key, view in seen.items():
+    ref = _reference_view(model, list(key))
+    assert view["position"] == ref["position"] == len(key)
+    for name in ref:
+      np.testing.assert_allclose(view[name], ref[name], atol=1e-4, rtol=0, err_msg=f"{len(key)}: {name}")
+  # (with ReplaySSM, decode snapshots of both kinds: a forced-flush lane leaves an empty window,
+  # a run of accepted drafts that ends on the boundary keeps its window)
+  if replay:
+    assert min(kinds) == 0 < max(kinds), kinds
+  # and requests that hit the decode snapshots (d leaves the cycle: drafts are rejected) get the
+  # tokens of a cold run without drafting, as a does.
+  full = a + gen_a
+  c, d = full[:29], full[:25] + [7]
+  rc, rd = engine.submit(c, max_new_tokens=3), engine.submit(d, max_new_tokens=6)
+  out = engine.run()
+  assert (engine.stats(rc).prefix_hit_tokens, engine.stats(rd).prefix_hit_tokens) == (28, 24)
+  assert engine.stats(rd).accepted_drafts < engine.stats(rd).drafted_tokens
+  cold = Engine(model, PLAIN)
+  ca, cc, cd = (cold.submit(a, max_new_tokens=12), cold.submit(c, max_new_tokens=3),
+                cold.submit(d, max_new_tokens=6))
+  cold_out = cold.run()
+  assert gen_a == cold_out[ca] and out[rc] == cold_out[cc] and out[rd] == cold_out[cd]
+
+
+@pytest.mark.filterwarnings("ignore:prefix caching is on")
+def test_preempt_resume_with_drafting_is_bit_exact(model, plain, tmp_path):
+  # Given drafting, prefix caching and a sampled drafting request (r2),
+  config = EngineConfig(**DRAFTING, prefix_block=4, num_drafts=K)
+  sampled = dict(temperature=8.0, seed=7, num_drafts=K)
+
+  def start():
+    engine = Engine(model, config)
+    for i in range(4):  # r3 waits for a slot: it is still queued when we preempt
+      opts = sampled if i == 2 else dict(num_drafts=DRAFTS[i])
+      engine.submit(PROMPTS[i], max_new_tokens=NEW[i] + 4, request_id=f"r{i}", **opts)
+    return engine
+
+  full = start()
+  expected = full.run()
+  engine = start()
+  for _ in range(3):
+    engine.step()
+  engine.preempt(tmp_path / "ckpt")
+  resumed = Engine.resume(tmp_path / "ckpt")
+  assert resumed.outputs()["r3"] == [] and resumed.config == config
+  # then the resumed engine continues bit for bit (tokens and every cache array),
+  assert resumed.run() == expected
+  for x, y in zip(jax.tree.leaves(full.cache), jax.tree.leaves(resumed.cache)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # and the sampled request alone gets its tokens of the shared run (which are not greedy).
+  alone = Engine(model, config)
+  rid = alone.submit(PROMPTS[2], max_new_tokens=NEW[2] + 4, **sampled)
+  assert alone.run()[rid] == expected["r2"]
+  assert expected["r2"][:NEW[2]] != plain[1][2] and full.stats("r2").accepted_drafts > 0
+
+
+def test_ngram_drafter_equals_ngram_drafts():
+  rng = np.random.RandomState(0)
+  history = rng.randint(0, 4, (6, 40)).astype(np.int32)   # vocabulary 4: n-grams recur
+  for n in (1, 2, 3):
+    drafters = [NgramDrafter(row[:1].tolist(), ngram=n) for row in history]
+    for length in range(1, 41):
+      expected = generate_module.ngram_drafts(jnp.asarray(history), jnp.full((6,), length, jnp.int32),
+                                              num_drafts=5, ngram=n)
+      assert [d.drafts(5) for d in drafters] == np.asarray(expected).tolist(), (n, length)
+      for d, row in zip(drafters, history):
+        d.extend(row[length:length + 1].tolist())
+
+
+def test_speculative_bad_options(model):
+  with pytest.raises(ValueError, match="num_drafts=8; expected at most 7"):
+    EngineConfig(num_drafts=8)
+  with pytest.raises(ValueError, match="buffer_len=3 with num_drafts=3"):
+    EngineConfig(num_drafts=3, buffer_len=3)
+  with pytest.raises(ValueError, match="ngram=0"):
+    EngineConfig(num_drafts=2, ngram=0)
+  assert EngineConfig().buffer_len == 16 and EngineConfig(num_drafts=3).buffer_len == 8
+  engine = Engine(model, SPEC)
+  for bad in (K + 1, -1, 1.5):
+    with pytest.raises(ValueError, match=rf"num_drafts={bad}; expected None or an int in \[0, {K}\]"):
+      engine.submit([1, 2], max_new_tokens=4, num_drafts=bad)
+  with pytest.raises(ValueError, match=r"num_drafts=1; expected None or an int in \[0, 0\]"):
+    Engine(model, PLAIN).submit([1, 2], max_new_tokens=4, num_drafts=1)
+  with pytest.raises(ValueError, match="ngram=0"):
+    NgramDrafter([1], ngram=0)
+  # A conventional-verify cache steps through verify(replay=False) only.
+  stacked = model.init_cache(2, buffer_len=4, max_draft=1, max_len=8, verify_stacks=True)
+  tokens, slots = jnp.ones((2, 2), jnp.int32), jnp.arange(2, dtype=jnp.int32)
+  with pytest.raises(ValueError, match="replay=True but the cache was made with verify_stacks=True"):
+    model.verify(tokens, stacked, slots)
+  with pytest.raises(ValueError, match="replay=False but the cache was made with verify_stacks=False"):
+    model.verify(tokens, model.init_cache(2, buffer_len=4, max_draft=1, max_len=8), slots, replay=False)
+  with pytest.raises(ValueError, match="verify stacks"):
+    model.decode(tokens[:, 0], stacked, slots)
