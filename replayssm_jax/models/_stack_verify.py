@@ -6,16 +6,11 @@ names the entry with slot n's current state. A verify step reads that state, ste
 token through the T tokens and writes the state after token i to entry i
 (``gdn.verify_conventional`` / ``mamba2.verify_conventional``: T full states written per row); the
 rollback is ``read_index = num_accepted - 1``. Projections, conv and output are the mixers' own
-(their ``verify`` with the recurrence swapped); the conv rollback is the mixers' ``commit``.
+(``_verify_inputs``, shared with their ``verify``); the conv rollback is the mixers' ``commit``.
 """
-import jax
 import jax.numpy as jnp
 
 from replayssm_jax import _slots
-from replayssm_jax import gdn
-from replayssm_jax import mamba2
-from replayssm_jax.models import _conv
-from replayssm_jax.models.gated_deltanet import GatedDeltaNet
 
 f32 = jnp.float32
 
@@ -37,21 +32,9 @@ def verify(mixer, x, cache, stack, slots, read_index, *, lengths=None, implement
     (y [B, T, D] in the layer dtype, zeros on padding rows; stack; window [B, W-1+T, C] for the
     mixer's ``commit``).
   """
-  if isinstance(mixer, GatedDeltaNet):
-    qkv, z, b, a = mixer._project(x)
-    conv, window = _conv.verify(qkv, mixer.conv_weight[...], None, cache.conv_state, slots)
-    q, k, v, g, beta = mixer._heads(jax.nn.silu(conv), b, a)
-    o, stack = gdn.verify_conventional(q, k, v, g, beta, stack, slots, read_index, lengths=lengths,
-                                       implementation=implementation)
-  else:
-    z, xbc, dt = mixer._project(x)
-    conv, window = _conv.verify(xbc, mixer.conv_weight[...], mixer.conv_bias[...], cache.conv_state,
-                                slots)
-    xs, B, C = mixer._split(jax.nn.silu(conv))
-    A, D, dt, dt_bias, softplus = mixer._ssm_params(dt)
-    o, stack = mamba2.verify_conventional(xs, dt, A, B, C, stack, slots, read_index, D=D,
-                                          dt_bias=dt_bias, dt_softplus=softplus, lengths=lengths,
-                                          implementation=implementation)
+  args, kwargs, z, window = mixer._verify_inputs(x, cache, slots)
+  o, stack = mixer.ops.verify_conventional(*args, stack, slots, read_index, lengths=lengths,
+                                           implementation=implementation, **kwargs)
   y = jnp.where((slots >= 0)[:, None, None], mixer._output(o, z), 0)
   return y, stack, window
 

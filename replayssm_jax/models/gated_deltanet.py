@@ -123,6 +123,7 @@ class GatedDeltaNet(_mixer.ConvMixer, nnx.Module):
   """
 
   cache_type = GdnLayerCache
+  ops = gdn
 
   def __init__(self, config: GatedDeltaNetConfig, *, rngs: nnx.Rngs):
     if not isinstance(config, GatedDeltaNetConfig):
@@ -300,10 +301,16 @@ class GatedDeltaNet(_mixer.ConvMixer, nnx.Module):
     self._check_cache(cache)
     slots = _conv.plan_slots(plan, x.shape[0])
 
-    qkv, z, b, a = self._project(x)
-    conv, window = _conv.verify(qkv, self.conv_weight[...], None, cache.conv_state, slots)
-    q, k, v, g, beta = self._heads(jax.nn.silu(conv), b, a)
-    o, bufs = gdn.replay_verify(q, k, v, g, beta, cache.bufs, plan, lengths=lengths,
-                                implementation=implementation)
+    args, kwargs, z, window = self._verify_inputs(x, cache, slots)
+    o, bufs = gdn.replay_verify(*args, cache.bufs, plan, lengths=lengths, implementation=implementation,
+                                **kwargs)
     y = jnp.where((slots >= 0)[:, None, None], self._output(o, z), 0)
     return y, cache.replace(bufs=bufs), window
+
+  def _verify_inputs(self, x, cache: GdnLayerCache, slots):
+    """T tokens per row through the projections and the conv (continuing the slot's stored
+    inputs): ((q, k, v, g, β), op keywords, z, conv window), shared by ReplaySSM verify and the
+    conventional speculative baseline (``models._stack_verify``)."""
+    qkv, z, b, a = self._project(x)
+    conv, window = _conv.verify(qkv, self.conv_weight[...], None, cache.conv_state, slots)
+    return self._heads(jax.nn.silu(conv), b, a), {}, z, window

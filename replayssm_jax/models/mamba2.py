@@ -128,6 +128,7 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
   """
 
   cache_type = Mamba2LayerCache
+  ops = mamba2
 
   def __init__(self, config: Mamba2Config, *, rngs: nnx.Rngs):
     if not isinstance(config, Mamba2Config):
@@ -326,13 +327,19 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
     self._check_cache(cache)
     slots = _conv.plan_slots(plan, x.shape[0])
 
+    args, kwargs, z, window = self._verify_inputs(x, cache, slots)
+    y, bufs = mamba2.replay_verify(*args, cache.bufs, plan, lengths=lengths,
+                                   implementation=implementation, **kwargs)
+    y = jnp.where((slots >= 0)[:, None, None], self._output(y, z), 0)
+    return y, cache.replace(bufs=bufs), window
+
+  def _verify_inputs(self, x, cache: Mamba2LayerCache, slots):
+    """T tokens per row through the projections and the conv (continuing the slot's stored
+    inputs): ((x, Δ or dt, A, B, C), op keywords, z, conv window), shared by ReplaySSM verify and
+    the conventional speculative baseline (``models._stack_verify``)."""
     z, xbc, dt = self._project(x)
     conv, window = _conv.verify(xbc, self.conv_weight[...], self.conv_bias[...], cache.conv_state,
                                 slots)
     xs, B, C = self._split(jax.nn.silu(conv))
     A, D, dt, dt_bias, softplus = self._ssm_params(dt)
-    y, bufs = mamba2.replay_verify(xs, dt, A, B, C, cache.bufs, plan, D=D, dt_bias=dt_bias,
-                                   dt_softplus=softplus, lengths=lengths,
-                                   implementation=implementation)
-    y = jnp.where((slots >= 0)[:, None, None], self._output(y, z), 0)
-    return y, cache.replace(bufs=bufs), window
+    return (xs, dt, A, B, C), dict(D=D, dt_bias=dt_bias, dt_softplus=softplus), z, window
