@@ -44,7 +44,7 @@ with a cached prefix (at least one token must remain to produce logits) copies t
 its slot and prefills only the rest. Snapshots are evicted least-recently-used. If caching is on,
 prompts were looked up, and nothing ever hit, ``run()`` warns (``RuntimeWarning`` + log).
 
-Preemption: ``preempt(directory)`` writes params and cache with Orbax (``StandardCheckpointer``)
+Preemption: ``preempt(directory)`` writes params and cache with Orbax (a synchronous ``Checkpointer``)
 plus the host scheduler state (requests, slots, snapshots, clocks) as JSON and closes the engine;
 ``Engine.resume(directory)`` rebuilds it and continues bit for bit: the same compiled programs
 see the same arrays (the drafters are rebuilt from each request's tokens: they are a function of
@@ -557,10 +557,10 @@ class Engine:
     self._check_open()
     path = pathlib.Path(directory).absolute()
     path.mkdir(parents=True, exist_ok=True)
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path / "params", self._params)
-    ckptr.save(path / "cache", self._cache)
-    ckptr.wait_until_finished()
+    # A synchronous checkpointer, closed on exit: no background commit thread outlives the call.
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+      ckptr.save(path / "params", args=ocp.args.StandardSave(self._params))
+      ckptr.save(path / "cache", args=ocp.args.StandardSave(self._cache))
     state = {
         "model_config": self.model.config.to_dict(), "engine_config": dataclasses.asdict(self.config),
         "requests": [dataclasses.asdict(r) for r in self._requests.values()],
@@ -596,12 +596,12 @@ class Engine:
     waiting, running, free, snapshots, free_snapshots, clock, counters = scheduler
     abstract = nnx.eval_shape(lambda: LM(model_config, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
-    ckptr = ocp.StandardCheckpointer()
-    params = ckptr.restore(path / "params", abstract_params)
-    model = nnx.merge(graphdef, params)
-    max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
-    abstract_cache = jax.eval_shape(lambda: _init_cache(model, config, max_seq_len))
-    cache = ckptr.restore(path / "cache", abstract_cache)
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+      params = ckptr.restore(path / "params", args=ocp.args.StandardRestore(abstract_params))
+      model = nnx.merge(graphdef, params)
+      max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
+      abstract_cache = jax.eval_shape(lambda: _init_cache(model, config, max_seq_len))
+      cache = ckptr.restore(path / "cache", args=ocp.args.StandardRestore(abstract_cache))
     engine = cls(model, config, _cache=cache)
     engine._requests = requests
     engine._waiting = collections.deque(waiting)
