@@ -1,8 +1,9 @@
-"""``bench.model_e2e --smoke`` on CPU: the tiny checkpoints' shapes (attention, MoE, GDN and Mamba2
-layers) through the end-to-end loop, the per-part split and the plot; the table has every row."""
+"""``bench.model_e2e --smoke`` and ``bench.engine_spec --smoke`` on CPU: the tiny checkpoints' shapes
+(attention, MoE, GDN and Mamba2 layers) through the end-to-end loop, the per-part split and the
+plot, and through the serving engine with and without drafting; the tables have every row."""
 import json
 
-from bench import model_e2e
+from bench import engine_spec, model_e2e
 
 
 def test_model_e2e_smoke(tmp_path):
@@ -20,3 +21,24 @@ def test_model_e2e_smoke(tmp_path):
     assert {r["mode"] for r in res["parts"] if r["kind"] == "recurrent"} == {"conventional", "replay"}
   moe = [r for res in out["results"] for r in res["parts"] if r["part"] == "moe"]
   assert moe and moe[0]["layers"] == 1
+
+
+def test_engine_spec_smoke(tmp_path):
+  # Given the tiny Qwen3.5 shape with the looping head (float32 throughout on CPU),
+  out = engine_spec.main(["--smoke", "--model", "looping", "--out-json", str(tmp_path / "spec.json"),
+                          "--plot", str(tmp_path / "spec.png")])
+  assert (tmp_path / "spec.png").stat().st_size > 0
+  saved = json.loads((tmp_path / "spec.json").read_text())
+  assert saved["meta"]["command"].startswith("python -m bench.engine_spec --smoke")
+  rows = out["result"]["rows"]
+  assert {(r["prompts"], r["arm"]) for r in rows} == {
+      (p, a) for p in ("random", "repetitive") for a in engine_spec.ARMS}
+  # every arm emits the greedy tokens of standard ReplaySSM decode,
+  assert all(r["identical_to_baseline"] == 1.0 and r["tokens_per_s"] > 0 for r in rows)
+  # the decode arms draft nothing and the drafting arms verify drafts, accepting some on the
+  # repetitive prompts (more than one token per step).
+  for r in rows:
+    if r["num_drafts"] == 0:
+      assert r["drafted"] == 0 and r["tokens_per_step"] == 1.0
+    elif r["prompts"] == "repetitive":
+      assert r["accepted"] > 0 and r["tokens_per_step"] > 1.0

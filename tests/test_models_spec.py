@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bench.engine_spec import looping_model
 import replayssm_jax as rs
 from replayssm_jax.models import (GatedDeltaNet, GatedDeltaNetConfig, LMConfig, Mamba2,
                                   Mamba2Config, generate, make_model)
@@ -136,23 +137,6 @@ def test_ngram_drafts():
 # ---- generate -------------------------------------------------------------------------------
 
 
-def _looping(model, *, strength=20.0, mixer_scale=0.2, period=4):
-  """Adds ``strength`` · (successor map) to the head — token t favours the next token of its
-  block of ``period`` — and scales the embedding by 1 / ``mixer_scale``, which (every block and
-  the head read the residual stream through an RMSNorm) weighs the mixer / MLP outputs by
-  ``mixer_scale`` against it, for every layer kind: greedy streams fall into short cycles (the
-  n-gram drafter hits) but still depend on the layers' state."""
-  emb = np.asarray(model.embed.embedding[...])
-  vocab = emb.shape[0]
-  succ = (np.arange(vocab) // period) * period + (np.arange(vocab) + 1) % period
-  pred = np.empty(vocab, np.int64)
-  pred[succ] = np.arange(vocab)
-  unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
-  model.head.kernel[...] = model.head.kernel[...] + strength * jnp.asarray(unit[pred].T)
-  model.embed.embedding[...] = model.embed.embedding[...] / mixer_scale
-  return model
-
-
 def _simulate(prompt, stream, k, n, budget):
   """Replays speculative generate over a greedy ``stream`` with the numpy drafter. Returns
   (steps, accepted, budget_cuts, inner): model steps, tokens emitted beyond one per step,
@@ -180,7 +164,7 @@ def streams():
   def get(kind, weights):
     if (kind, weights) not in cache:
       model = make_model(CONFIGS[kind](), seed=0)
-      model = _looping(model) if weights == "looping" else model
+      model = looping_model(model) if weights == "looping" else model
       tokens, num = generate(model, PROMPTS, LENGTHS, max_new_tokens=NEW, buffer_len=BUFFER_LEN)
       cache[kind, weights] = (model, np.asarray(tokens), np.asarray(num))
     return cache[kind, weights]

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from bench.engine_spec import looping_model
 import replayssm_jax as rs
 from replayssm_jax.models import make_model
 from replayssm_jax.models import _stack_verify
@@ -32,7 +33,6 @@ from replayssm_jax.models.gated_deltanet import GdnLayerCache
 from replayssm_jax.serving import Engine, EngineConfig
 from replayssm_jax.serving import engine as engine_module
 from replayssm_jax.serving.drafter import NgramDrafter
-from tests.test_models_spec import _looping
 from tests.test_serving import BASE, HYBRID, MAX_PROMPT
 
 generate_module = importlib.import_module("replayssm_jax.models.generate")
@@ -59,7 +59,7 @@ SUBMIT = {1: dict(temperature=8.0, seed=5)}
 def model():
   # (its four layers weigh more against the embedding than test_models_spec's one or two: a
   # smaller scale for similar cycles)
-  return _looping(make_model(HYBRID, seed=0), mixer_scale=0.15)
+  return looping_model(make_model(HYBRID, seed=0), mixer_scale=0.15)
 
 
 @pytest.fixture(scope="module")

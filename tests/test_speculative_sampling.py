@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from jax.scipy.stats import chi2
 
+from bench.engine_spec import looping_model
 from replayssm_jax.models import LMConfig, generate, make_model, sampling
-from tests.test_models_spec import _looping
 
 generate_module = importlib.import_module("replayssm_jax.models.generate")
 
@@ -40,7 +40,7 @@ real_speculative_sample = sampling.speculative_sample
 def model():
   config = LMConfig.tiny(vocab_size=VOCAB, max_prompt_len=12, num_layers=1, hidden_size=16,
                          num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, intermediate_size=32)
-  return _looping(make_model(config, seed=0), strength=1.0)
+  return looping_model(make_model(config, seed=0), strength=1.0)
 
 
 @pytest.fixture(scope="module")

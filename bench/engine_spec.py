@@ -1,0 +1,225 @@
+"""Serving-engine throughput with and without speculative decoding, ReplaySSM vs conventional.
+
+What a user of ``serving.Engine`` sees: B requests submitted at once, the engine admits them
+(prefill), then steps until every request has its ``--new-tokens``. Four arms per prompt set and
+B, each a fresh ``Engine`` with ``max_running = B`` and one batch bucket B:
+
+  decode-replay   num_drafts = 0, replay = True      (standard ReplaySSM decode)
+  decode-conv     num_drafts = 0, replay = False     (conventional decode)
+  spec-replay     num_drafts = k, replay = True      (n-gram drafts, ReplaySSM verify)
+  spec-conv       num_drafts = k, replay = False     (n-gram drafts, conventional verify:
+                                                      k + 1 states per slot, ``verify_stacks``)
+
+Timed: the decode phase, from the first step after the last request was admitted to the last
+step, on the host clock (every step ends in a host read of its tokens, so the clock sees the
+device's work). tokens/s = tokens generated in that window / its seconds. Acceptance rate =
+accepted drafts / drafted tokens (``RequestStats``); tokens per step = generated / steps. Each arm
+first runs the same requests once (compiling the prefill, decode and verify programs), then the
+timed run, ``--reps`` times; the median run is reported.
+
+Prompt sets (``--prompts``): ``random`` (uniform token ids) and ``repetitive`` (a random phrase
+of ``--phrase`` tokens repeated). Weights are random (bf16, float32 state, ``--ring-dtype`` bf16) unless
+``--model looping``: the head is biased so that each token favours its successor in a block of
+four ids and the mixers weigh ``--looping-scale`` against the embedding (``looping_model``): greedy streams fall into short cycles the drafter predicts, a
+controlled high-acceptance case. Acceptance is a property of model and prompts: a random model
+gives a lower bound of the speculative gain, ``looping`` an upper one; neither is a real
+checkpoint's acceptance.
+
+Gate: the greedy tokens of every arm are compared with decode-replay's; the fraction of
+requests with identical tokens is reported (replay and conventional round differently in bf16,
+so a near-tie can flip an argmax; the smoke run, float32 throughout on CPU, must be identical).
+
+    python -m bench.engine_spec --preset qwen3.5-4b --batches 32,256 --drafts 3 --new-tokens 128
+    python -m bench.engine_spec --preset qwen3.5-4b --model looping --batches 256
+    python -m bench.engine_spec --smoke        # CPU: the tiny Qwen3.5 checkpoint's shape, B = 2
+"""
+import argparse
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from bench.model_e2e import model_config
+from replayssm_jax.models import make_model
+from replayssm_jax.serving import Engine, EngineConfig
+
+ARMS = {"decode-replay": (False, True), "decode-conv": (False, False),
+        "spec-replay": (True, True), "spec-conv": (True, False)}   # name: (drafting, replay)
+BASELINE = "decode-replay"
+
+
+def looping_model(model, *, strength=20.0, mixer_scale=0.2, period=4):
+  """Adds ``strength`` · (successor map) to the head — token t favours the next token of its
+  block of ``period`` ids — and scales the embedding by 1 / ``mixer_scale``, which (every block
+  and the head read the residual stream through an RMSNorm) weighs the mixer / MLP outputs by
+  ``mixer_scale`` against it: greedy streams fall into short cycles (the n-gram drafter hits) but
+  still depend on every layer's state. Modifies and returns ``model``."""
+  emb = np.asarray(model.embed.embedding[...], np.float32)
+  vocab = emb.shape[0]
+  succ = (np.arange(vocab) // period) * period + (np.arange(vocab) + 1) % period
+  pred = np.empty(vocab, np.int64)
+  pred[succ] = np.arange(vocab)
+  unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+  head = model.head.kernel
+  head[...] = (head[...].astype(jnp.float32) + strength * jnp.asarray(unit[pred].T)).astype(head.dtype)
+  embedding = model.embed.embedding
+  embedding[...] = (embedding[...].astype(jnp.float32) / mixer_scale).astype(embedding.dtype)
+  return model
+
+
+def prompt_sets(names, *, batch, length, phrase, vocab, seed=0) -> dict:
+  """{name: list of ``batch`` prompts of ``length`` token ids in [1, vocab)}."""
+  rng = np.random.RandomState(seed)
+  out = {}
+  for name in names:
+    if name == "random":
+      out[name] = rng.randint(1, vocab, (batch, length)).tolist()
+    elif name == "repetitive":
+      phrases = rng.randint(1, vocab, (batch, phrase))
+      out[name] = np.tile(phrases, (1, -(-length // phrase)))[:, :length].tolist()
+    else:
+      raise ValueError(f"--prompts entry {name!r}; expected 'random' or 'repetitive'")
+  return out
+
+
+def _serve(model, config, prompts, new_tokens):
+  """One run: returns (tokens per request, decode-phase seconds, steps, drafted, accepted)."""
+  engine = Engine(model, config)
+  ids = [engine.submit(p, max_new_tokens=new_tokens) for p in prompts]
+  engine.step()                      # admits (prefills) every request, then one step
+  first = sum(len(engine.outputs()[i]) for i in ids)
+  steps, t0 = 0, time.perf_counter()
+  while not engine.idle:
+    engine.step()
+    steps += 1
+  seconds = time.perf_counter() - t0
+  out = engine.outputs()
+  stats = [engine.stats(i) for i in ids]
+  tokens = [out[i] for i in ids]
+  return (tokens, seconds, steps, sum(len(t) for t in tokens) - first,
+          sum(s.drafted_tokens for s in stats), sum(s.accepted_drafts for s in stats))
+
+
+def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps):
+  drafting, replay = ARMS[arm]
+  k = drafts if drafting else 0
+  config = EngineConfig(max_running=batch, batch_buckets=(batch,), replay=replay, num_drafts=k,
+                        buffer_len=buffer_len, max_prompt_len=len(prompts[0]),
+                        max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype)
+  _serve(model, config, prompts, new_tokens)       # compiles prefill, decode and verify
+  runs = sorted((_serve(model, config, prompts, new_tokens) for _ in range(reps)), key=lambda r: r[1])
+  tokens, seconds, steps, generated, drafted, accepted = runs[len(runs) // 2]
+  return {"arm": arm, "replay": replay, "num_drafts": k, "buffer_len": config.buffer_len,
+          "seconds": seconds, "all_seconds": [r[1] for r in runs], "steps": steps,
+          "generated": generated, "tokens_per_s": generated / seconds,
+          "tokens_per_step": generated / max(steps, 1) / batch,
+          "drafted": drafted, "accepted": accepted,
+          "acceptance": accepted / drafted if drafted else None}, tokens
+
+
+def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_tokens, prompt_len,
+        phrase, reps, buffer_len, ring_dtype):
+  config = model_config(name)
+  model = make_model(config, seed=0)
+  if model_kind == "looping":
+    model = looping_model(model, mixer_scale=looping_scale)
+  common.log(f"{name} ({model_kind} weights): {config.num_layers} layers, vocabulary {config.vocab_size}")
+  rows = []
+  for batch in batches:
+    sets = prompt_sets(prompt_names, batch=batch, length=prompt_len, phrase=phrase,
+                       vocab=config.vocab_size)
+    for prompt_name, prompts in sets.items():
+      group, reference = [], None
+      for arm in ARMS:
+        row, tokens = run_arm(model, arm, prompts, batch=batch, drafts=drafts, new_tokens=new_tokens,
+                              buffer_len=buffer_len, ring_dtype=ring_dtype, reps=reps)
+        reference = tokens if reference is None else reference
+        row.update(preset=name, model=model_kind, prompts=prompt_name, batch=batch,
+                   identical_to_baseline=float(np.mean([a == b for a, b in zip(tokens, reference)])))
+        group.append(row)
+        acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+        common.log(f"  B={batch} {prompt_name:10s} {arm:13s} {row['tokens_per_s']:9.0f} tokens/s, "
+                   f"{row['tokens_per_step']:.2f} tokens/step/request, acceptance {acc}")
+      base = {r["arm"]: r["tokens_per_s"] for r in group}
+      for row in group:
+        row["speedup_vs_decode_replay"] = row["tokens_per_s"] / base[BASELINE]
+        row["speedup_vs_decode_conv"] = row["tokens_per_s"] / base["decode-conv"]
+      rows += group
+  return {"preset": name, "model": model_kind, "config": config.to_dict(), "rows": rows}
+
+
+def _table(result) -> str:
+  rows = [[str(r["batch"]), r["prompts"], r["arm"], f"{r['tokens_per_s']:.0f}",
+           f"{r['tokens_per_step']:.2f}", common.fmt_float(r["acceptance"], ".2f"),
+           f"{r['speedup_vs_decode_conv']:.2f}x", f"{r['speedup_vs_decode_replay']:.2f}x",
+           f"{r['identical_to_baseline']:.2f}"] for r in result["rows"]]
+  return common.render_table(["B", "prompts", "arm", "tokens/s", "tokens/step", "acceptance",
+                              "vs decode-conv", "vs decode-replay", "same tokens"], rows, markdown=True)
+
+
+def plot(result, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  groups = list(dict.fromkeys((r["batch"], r["prompts"]) for r in result["rows"]))
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  width = 0.8 / len(ARMS)
+  for j, arm in enumerate(ARMS):
+    values = [next(r["tokens_per_s"] for r in result["rows"] if (r["batch"], r["prompts"]) == g
+                   and r["arm"] == arm) for g in groups]
+    ax.bar(np.arange(len(groups)) + (j - (len(ARMS) - 1) / 2) * width, values, width, label=arm)
+  ax.set_xticks(np.arange(len(groups)), [f"B={b}\n{name}" for b, name in groups])
+  ax.set_ylabel("generated tokens/s")
+  ax.set_title(f"serving.Engine, {result['preset']} ({result['model']} weights)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(prog="python -m bench.engine_spec", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--smoke", action="store_true", help="CPU: the tiny Qwen3.5 checkpoint's shape, B = 2")
+  p.add_argument("--preset", default="qwen3.5-4b")
+  p.add_argument("--model", choices=("random", "looping"), default="random")
+  p.add_argument("--looping-scale", type=float, default=0.1,
+                 help="looping_model's mixer_scale: smaller = stronger cycles, less state dependence")
+  p.add_argument("--prompts", default="random,repetitive")
+  p.add_argument("--batches", default="32,256")
+  p.add_argument("--drafts", type=int, default=3, help="k, drafts per request and step")
+  p.add_argument("--new-tokens", type=int, default=128)
+  p.add_argument("--prompt-len", type=int, default=256)
+  p.add_argument("--phrase", type=int, default=8, help="length of the repeated phrase")
+  p.add_argument("--buffer-len", type=int, default=None,
+                 help="ReplaySSM L (None: the engine's default for each T)")
+  p.add_argument("--ring-dtype", default="bfloat16", help="ReplaySSM ring dtype ('none': the model's)")
+  p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--out-json", default=None)
+  p.add_argument("--plot", default=None, help="write the tokens/s plot (PNG) here")
+  args = p.parse_args(argv)
+  if args.smoke:
+    args.preset, args.batches, args.new_tokens, args.prompt_len, args.reps = "tiny-qwen3_5", "2", 16, 12, 1
+    args.ring_dtype = "none"
+  if args.drafts < 1:
+    p.error(f"--drafts={args.drafts}; expected >= 1")
+  result = run(args.preset, model_kind=args.model, looping_scale=args.looping_scale, prompt_names=args.prompts.split(","),
+               batches=[int(b) for b in args.batches.split(",")], drafts=args.drafts,
+               new_tokens=args.new_tokens, prompt_len=args.prompt_len, phrase=args.phrase,
+               reps=args.reps, buffer_len=args.buffer_len,
+               ring_dtype=None if args.ring_dtype == "none" else args.ring_dtype)
+  print(_table(result))
+  out = {"meta": common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.engine_spec"),
+         "result": result}
+  if args.out_json:
+    common.write_json(args.out_json, out)
+  if args.plot:
+    plot(result, args.plot)
+  return out
+
+
+if __name__ == "__main__":
+  main()
