@@ -4,7 +4,7 @@
 For each family — Qwen3.5 (dense, attention every 4th layer), its multimodal wrapper, Qwen3-Next
 (attention + MoE), Qwen3.5-MoE, Nemotron-H (Mamba2, attention, MoE and MLP layers), Mamba2 and
 Granite 4.0 (Mamba2 + attention with MoE and shared MLP, muP multipliers; and its dense variant with
-rotary attention) — the directory loads through ``load_pretrained`` and gives transformers' prefill logits (relative
+rotary attention) and Bamba (Mamba2 + attention with partial rotary, SwiGLU MLPs) — the directory loads through ``load_pretrained`` and gives transformers' prefill logits (relative
 L2 <= 1e-5, float32, matmul precision highest) and its 32 greedy tokens, token for token, with
 ReplaySSM, conventional and speculative (3 n-gram drafts) decoding. No torch needed.
 """
@@ -22,7 +22,7 @@ from replayssm_jax.models import generate, load_pretrained
 ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT_DIR / "tests" / "data" / "hf"
 FAMILIES = ("qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_moe", "nemotron_h", "mamba2", "granitemoehybrid",
-            "granitemoehybrid_dense_rope")
+            "granitemoehybrid_dense_rope", "bamba")
 MAX_PROMPT = 16
 
 
@@ -90,7 +90,8 @@ def test_the_fixtures_exercise_what_they_claim(family):
               "qwen3_next": {"gdn", "attention", "moe", "dense"}, "qwen3_5_moe": {"gdn", "attention", "moe"},
               "nemotron_h": {"mamba2", "attention", "moe", "mlp", "dense", None},
               "mamba2": {"mamba2", None}, "granitemoehybrid": {"mamba2", "attention", "moe"},
-              "granitemoehybrid_dense_rope": {"mamba2", "attention", "dense"}}[name]
+              "granitemoehybrid_dense_rope": {"mamba2", "attention", "dense"},
+              "bamba": {"mamba2", "attention", "dense"}}[name]
   assert kinds == expected
   if name in ("nemotron_h", "mamba2"):
     for b in range(2):
@@ -103,6 +104,8 @@ def test_the_fixtures_exercise_what_they_claim(family):
     assert a.logit_scale != a.head_dim ** -0.5
     assert a.rotary_dim == (a.head_dim if name.endswith("rope") else 0)
     assert config.moe is None or not config.moe.shared_expert_gate
+  if name == "bamba":
+    assert config.attention.rotary_dim == config.attention.head_dim // 2
 
 
 def test_nemotron_h_follows_time_step_limit_not_transformers_prefill_clamp():
@@ -233,6 +236,31 @@ def test_granite_hub_layouts_load_the_same_model(tmp_path):
 def test_granite_configs_the_library_cannot_load(tmp_path, name, edit, error, match):
   with pytest.raises(error, match=match):
     load_pretrained(_rewrite(tmp_path, name, edit))
+
+
+def test_bamba_hub_config_loads_the_same_model(tmp_path):
+  """The Hub's Bamba config.json: top-level rope_theta and no rope_parameters (transformers then
+  rotates half of each head, as the saved ``partial_rotary_factor`` 0.5 says)."""
+  def hub_config(cfg):
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg["rope_scaling"] = None
+
+  new, new_config = load_pretrained(DATA / "bamba", max_prompt_len=MAX_PROMPT)
+  old, old_config = load_pretrained(_rewrite(tmp_path, "bamba", hub_config), max_prompt_len=MAX_PROMPT)
+  assert old_config == new_config
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda c: c.update(attn_layer_indices=[4]), ValueError, r"attn_layer_indices=\[4\]; expected a list of "
+     r"layer indices in \[0, 4\)"),
+    (lambda c: c.update(mlp_bias=True), NotImplementedError, "mlp_bias=true"),
+    (lambda c: c.update(hidden_act="gelu"), NotImplementedError, "hidden_act='gelu'"),
+    (lambda c: c.update(mamba_proj_bias=True), NotImplementedError, "mamba_proj_bias=true"),
+    (lambda c: c["rope_parameters"].update(rope_type="dynamic"), NotImplementedError, "rope_type='dynamic'"),
+], ids=["attention-index", "mlp-bias", "activation", "proj-bias", "rope"])
+def test_bamba_configs_the_library_cannot_load(tmp_path, edit, error, match):
+  with pytest.raises(error, match=match):
+    load_pretrained(_rewrite(tmp_path, "bamba", edit))
 
 
 def test_vision_tower_is_skipped_with_a_warning(caplog):

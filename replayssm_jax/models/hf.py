@@ -89,6 +89,14 @@ the whole head (``"rope"``, ``rope_type`` "default"):
 ``lm_head.weight`` [V, D]                               ``head.kernel`` (transposed; the embedding if tied and absent)
 ====================================================  ===========================================
 
+**Bamba** (``model_type`` ``bamba``): Mamba2 layers, attention at ``attn_layer_indices``, each
+followed by a SwiGLU MLP; prefix ``model.``, as Granite 4.0 but without multipliers, with
+``layers.{i}.pre_ff_layernorm.weight`` → ``blocks[i].mlp_norm.weight``,
+``layers.{i}.feed_forward.{gate,up,down}_proj.weight`` → ``blocks[i].mlp.gate_up.kernel`` /
+``down.kernel`` (as Qwen's ``mlp.*``), ``final_layernorm.weight`` → ``final_norm.weight``, and
+attention logits scaled by head_dim^-1/2 with a rotary embedding of ``partial_rotary_factor``
+(0.5 when absent, as transformers sets it) of each head.
+
 Here I = H·P, C = I + 2·G·N (Mamba2) or 2·Hk·K + Hv·V (GDN); S = ``shared_intermediate_size``. Ignored tensors: ``mtp.*``
 (multi-token-prediction heads) and the vision tower (``visual.*``, ``model.visual.*``).
 
@@ -96,8 +104,8 @@ Mamba2 step size: Δ = softplus(dt + dt_bias) clipped to ``time_step_limit`` ((0
 checkpoints, so nothing is clipped), as NVIDIA's reference implementation does, in prefill and
 decode alike. transformers' Nemotron-H instead clamps Δ at ``time_step_min`` (an initialisation
 parameter) in its chunked prefill and not in its decode step; see the README. transformers' Granite
-4.0 clamps at ``time_step_limit`` in its prefill and not in its decode step, which agree for the
-released (0, ∞).
+4.0 and Bamba clamp at ``time_step_limit`` in their prefill and not in their decode step, which
+agree for the released (0, ∞).
 
 Errors: a tensor the mapping does not know, a missing tensor, or a wrong shape raise
 ``ValueError`` naming the tensor, its shape and the expected one; a malformed config.json raises
@@ -235,7 +243,7 @@ def _float(hf: dict, key: str, default: float) -> float:
 # ---- config --------------------------------------------------------------------------------
 
 def _plan(hf: dict, *, dtype, max_prompt_len):
-  """("qwen" | "mamba" | "granite", LMConfig) from config.json."""
+  """("qwen" | "mamba" | "granite" | "bamba", LMConfig) from config.json."""
   model_type = hf.get("model_type")
   text = hf.get("text_config", hf)
   if model_type in QWEN_TYPES or (isinstance(text, dict) and "linear_num_value_heads" in text):
@@ -248,10 +256,12 @@ def _plan(hf: dict, *, dtype, max_prompt_len):
     return _plan_mamba(hf, dtype, max_prompt_len)
   if model_type == "granitemoehybrid":
     return _plan_granite(hf, dtype, max_prompt_len)
+  if model_type == "bamba":
+    return _plan_bamba(hf, dtype, max_prompt_len)
   raise NotImplementedError(
       f"config.json model_type={model_type!r} is not supported; load_pretrained reads Qwen3-Next / "
-      f"Qwen3.5 / Qwen3.5-MoE ({', '.join(QWEN_TYPES)}), mamba2, nemotron_h and granitemoehybrid "
-      f"checkpoints")
+      f"Qwen3.5 / Qwen3.5-MoE ({', '.join(QWEN_TYPES)}), mamba2, nemotron_h, granitemoehybrid and "
+      f"bamba checkpoints")
 
 
 def _layer_kinds(names, table, what):
@@ -264,9 +274,11 @@ def _layer_kinds(names, table, what):
   return tuple(kinds)
 
 
-def _rope(hf: dict, head_dim: int, *, partial: bool = True):
-  """(rotary_dim, theta) from ``rope_parameters`` (5.x) or the top-level keys of older files;
-  ``partial=False``: the whole head turns (the family's rope ignores ``partial_rotary_factor``)."""
+def _rope(hf: dict, head_dim: int, *, default_factor: float | None = 0.25):
+  """(rotary_dim, theta) from ``rope_parameters`` (5.x) or the top-level keys of older files.
+
+  ``default_factor``: the family's ``partial_rotary_factor`` when the config has none (Qwen 0.25,
+  Bamba 0.5); None: the whole head turns whatever the config says (Granite's rope ignores it)."""
   params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   if not isinstance(params, dict):
     raise ValueError(f"config.json rope_parameters={params!r}; expected an object")
@@ -275,7 +287,8 @@ def _rope(hf: dict, head_dim: int, *, partial: bool = True):
     raise NotImplementedError(f"attention with rope_type={rope_type!r}; only the default rotary "
                               f"embedding is implemented")
   theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-  factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)) if partial else 1.0
+  factor = (1.0 if default_factor is None
+            else params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_factor)))
   rotary = int(head_dim * factor)
   return rotary - rotary % 2, float(theta)
 
@@ -437,7 +450,7 @@ def _plan_granite(hf, dtype, max_prompt_len):
     position = hf.get("position_embedding_type")
     if position not in (None, "nope", "rope"):
       raise NotImplementedError(f"position_embedding_type={position!r}; implemented: 'rope', 'nope' / null")
-    rotary, theta = _rope(hf, head_dim, partial=False) if position == "rope" else (0, 10000.0)
+    rotary, theta = _rope(hf, head_dim, default_factor=None) if position == "rope" else (0, 10000.0)
     # GraniteMoeHybridAttention: logits scaled by attention_multiplier (not head_dim^-1/2).
     attention = AttentionConfig(
         num_heads=heads, num_kv_heads=_int(hf, "num_key_value_heads", heads), head_dim=head_dim,
@@ -453,6 +466,36 @@ def _plan_granite(hf, dtype, max_prompt_len):
       residual_multiplier=_float(hf, "residual_multiplier", 1.0),
       logits_scaling=_float(hf, "logits_scaling", 1.0), **mamba, **_NOT_USED)
   return "granite", config
+
+
+def _plan_bamba(hf, dtype, max_prompt_len):
+  """Bamba (BambaForCausalLM): Mamba2 layers, attention at ``attn_layer_indices``, a SwiGLU MLP
+  in every layer; attention with rotary embedding of ``partial_rotary_factor`` (0.5) of each head."""
+  n = _int(hf, "num_hidden_layers")
+  indices = hf.get("attn_layer_indices") or []
+  if (not isinstance(indices, list)
+      or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in indices)):
+    raise ValueError(f"config.json attn_layer_indices={indices!r}; expected a list of layer indices in [0, {n})")
+  types = tuple("attention" if i in indices else "mamba2" for i in range(n))
+  if hf.get("hidden_act", "silu") != "silu":
+    raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}; only silu is implemented")
+  if hf.get("mlp_bias"):
+    raise NotImplementedError("mlp_bias=true (MLP projection biases) is not implemented")
+  d = _int(hf, "hidden_size")
+  attention = None
+  if indices:
+    heads = _int(hf, "num_attention_heads")
+    head_dim = _int(hf, "head_dim", d // heads)
+    rotary, theta = _rope(hf, head_dim, default_factor=0.5)
+    attention = AttentionConfig(num_heads=heads, num_kv_heads=_int(hf, "num_key_value_heads", heads),
+                                head_dim=head_dim, rotary_dim=rotary, rope_theta=theta,
+                                bias=bool(hf.get("attention_bias", False)))
+  mamba = _mamba_shape(hf, d) if len(indices) < n else {}
+  config = LMConfig(
+      vocab_size=_int(hf, "vocab_size"), hidden_size=d, num_layers=n, intermediate_size=_int(hf, "intermediate_size"),
+      rms_eps=float(_get(hf, "rms_norm_eps", 1e-5)), dtype=dtype, max_prompt_len=max_prompt_len,
+      layer_types=types, attention=attention, **mamba, **_NOT_USED)
+  return "bamba", config
 
 
 # ---- tensors -------------------------------------------------------------------------------
@@ -491,9 +534,10 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
   d, v = c.hidden_size, c.vocab_size
   out = {}
   qwen = family == "qwen"
-  if qwen or family == "granite":
+  if family != "mamba":
     prefix = "model.language_model." if t.has("model.language_model.embed_tokens.weight") else "model."
-    embed, final = prefix + "embed_tokens.weight", prefix + "norm.weight"
+    embed = prefix + "embed_tokens.weight"
+    final = prefix + ("final_layernorm.weight" if family == "bamba" else "norm.weight")
   else:
     prefix = "backbone."
     embed = prefix + ("embedding.weight" if t.has(prefix + "embedding.weight") else "embeddings.weight")
@@ -508,8 +552,8 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
 
   for i, kind in enumerate(c.layer_types):
     blk, layer = f"blocks.{i}.", f"{prefix}layers.{i}."
-    if family == "granite":
-      out.update(_granite_block(t, layer, blk, kind, c, hf.get("mamba_conv_bias", True)))
+    if family in ("granite", "bamba"):
+      out.update(_ibm_block(t, layer, blk, kind, c, family, hf.get("mamba_conv_bias", True)))
       continue
     if qwen:
       out[blk + "mixer_norm.weight"] = t.take(layer + "input_layernorm.weight", (d,))
@@ -521,9 +565,7 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
       if c.block_mlp(i) == "moe":
         out.update(_moe(t, layer + "mlp.", blk + "mlp.", c))
       else:
-        gate, up = (t.take(layer + f"mlp.{name}_proj.weight", (c.intermediate_size, d)) for name in ("gate", "up"))
-        out[blk + "mlp.gate_up.kernel"] = np.concatenate([gate, up]).T
-        out[blk + "mlp.down.kernel"] = t.take(layer + "mlp.down_proj.weight", (d, c.intermediate_size)).T
+        out.update(_swiglu(t, layer + "mlp.", blk + "mlp.", c))
       continue
     norm = t.take(layer + "norm.weight", (d,))
     if kind == "mamba2":
@@ -543,15 +585,19 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
   return out
 
 
-def _granite_block(t: _Tensors, layer: str, blk: str, kind: str, c: LMConfig, conv_bias: bool) -> dict:
+def _ibm_block(t: _Tensors, layer: str, blk: str, kind: str, c: LMConfig, family: str, conv_bias: bool) -> dict:
+  """One Granite 4.0 or Bamba decoder layer: norms, ``mamba.*`` or ``self_attn.*``, the MLP."""
   d = c.hidden_size
+  mlp_norm = "pre_ff_layernorm" if family == "bamba" else "post_attention_layernorm"
   out = {blk + "mixer_norm.weight": t.take(layer + "input_layernorm.weight", (d,)),
-         blk + "mlp_norm.weight": t.take(layer + "post_attention_layernorm.weight", (d,))}
+         blk + "mlp_norm.weight": t.take(layer + mlp_norm + ".weight", (d,))}
   if kind == "attention":
     out.update(_attention(t, layer + "self_attn.", blk + "mixer.", c))
   else:
     out.update(_mamba2(t, layer + "mamba.", blk + "mixer.", c, conv_bias))
-  if c.moe is not None:
+  if family == "bamba":
+    out.update(_swiglu(t, layer + "feed_forward.", blk + "mlp.", c))
+  elif c.moe is not None:
     out.update({blk + "mlp." + k: v for k, v in granite_moe_params(t.take, t.has, layer, c.moe).items()})
   else:   # the shared MLP alone: a dense SwiGLU, input_linear rows gate | up
     s = c.intermediate_size
@@ -559,6 +605,14 @@ def _granite_block(t: _Tensors, layer: str, blk: str, kind: str, c: LMConfig, co
                                              what="(gate rows | up rows)").T
     out[blk + "mlp.down.kernel"] = t.take(layer + "shared_mlp.output_linear.weight", (d, s)).T
   return out
+
+
+def _swiglu(t: _Tensors, src: str, dst: str, c: LMConfig) -> dict:
+  """A dense SwiGLU MLP from ``{gate,up,down}_proj.weight``."""
+  d, i = c.hidden_size, c.intermediate_size
+  gate, up = (t.take(src + f"{name}_proj.weight", (i, d)) for name in ("gate", "up"))
+  return {dst + "gate_up.kernel": np.concatenate([gate, up]).T,
+          dst + "down.kernel": t.take(src + "down_proj.weight", (d, i)).T}
 
 
 def _gdn(t: _Tensors, src: str, dst: str, c: LMConfig) -> dict:

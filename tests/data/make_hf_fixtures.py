@@ -44,8 +44,9 @@ attribute set back to ``config.time_step_limit`` after loading (``_follow_dt_lim
 ``*_unpatched`` arrays are what transformers gives without that change. ``dt_bias`` is drawn so
 that part of the heads run with dt below ``time_step_min`` and the rest well above it, so the two
 semantics differ visibly. ``Mamba2Mixer`` already clamps with ``config.time_step_limit``.
-``GraniteMoeHybridMambaLayer`` clamps with ``config.time_step_limit`` in its chunked prefill and
-not in its decode step; the Granite fixtures keep the released (0, inf), where both agree.
+``GraniteMoeHybridMambaLayer`` and ``BambaMixer`` clamp with ``config.time_step_limit`` in their
+chunked prefill and not in their decode step; the Granite and Bamba fixtures keep the released
+(0, inf), where both agree.
 
 Granite 4.0 fixtures draw the embedding with standard deviation 1 / ``embedding_multiplier`` and
 the head with ``logits_scaling`` times the usual scale, so hidden states and logits keep the
@@ -67,8 +68,8 @@ import safetensors
 import torch
 import transformers
 from torch import nn
-from transformers import (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Mamba2Config,
-                          Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM,
+from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
+                          Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM,
                           Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                           Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
                           Qwen3NextConfig, Qwen3NextForCausalLM)
@@ -83,8 +84,8 @@ MAX_SEED_TRIES = 50
 ZERO_CENTRED_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")  # y = x̂ · (1 + w)
 PLAIN_NORMS = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated",
                "NemotronHRMSNorm", "NemotronHRMSNormGated", "Mamba2RMSNorm", "MambaRMSNormGated",
-               "GraniteMoeHybridRMSNorm", "GraniteMoeHybridRMSNormGated")
-MAMBA2_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer")
+               "GraniteMoeHybridRMSNorm", "GraniteMoeHybridRMSNormGated", "BambaRMSNorm", "BambaRMSNormGated")
+MAMBA2_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
 
 # ---- the fixtures --------------------------------------------------------------------------
 
@@ -172,9 +173,19 @@ def granitemoehybrid_dense_rope():
   return GraniteMoeHybridForCausalLM, config
 
 
+def bamba():
+  """Mamba2 layers, attention at layer 2 (rotary on half of each head, the transformers default), SwiGLU MLPs."""
+  config = BambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=4,
+                       attn_layer_indices=[2], num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
+                       mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                       mamba_chunk_size=8, mamba_conv_bias=True, rope_parameters=dict(rope_type="default", rope_theta=5e4),
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  return BambaForCausalLM, config
+
+
 FIXTURES = dict(qwen3_5=qwen3_5, qwen3_5_vl=qwen3_5_vl, qwen3_next=qwen3_next, qwen3_5_moe=qwen3_5_moe,
                 nemotron_h=nemotron_h, mamba2=mamba2, granitemoehybrid=granitemoehybrid,
-                granitemoehybrid_dense_rope=granitemoehybrid_dense_rope)
+                granitemoehybrid_dense_rope=granitemoehybrid_dense_rope, bamba=bamba)
 SHARED_SEED = dict(qwen3_5_vl="qwen3_5")  # same seed: equal tensor names get equal values
 
 
@@ -393,6 +404,9 @@ def _summary(config):
           "routed_scaling_factor", "mamba_num_heads", "mamba_head_dim", "num_heads", "ssm_state_size", "state_size",
           "n_groups", "chunk_size", "rope_parameters", "mlp_only_layers", "time_step_min", "time_step_limit",
           "tie_word_embeddings")
+  if text.model_type == "bamba":
+    keys += ("attn_layer_indices", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+             "mamba_chunk_size")
   if text.model_type == "granitemoehybrid":
     keys += ("num_local_experts", "shared_intermediate_size", "mamba_n_heads", "mamba_d_head", "mamba_n_groups",
              "mamba_d_state", "mamba_chunk_size", "embedding_multiplier", "residual_multiplier",
@@ -443,9 +457,9 @@ def build(name, prompt_list):
             _rel_l2(arrays[f"prefill_logits_{p}_unpatched"], arrays[f"prefill_logits_{p}"]) for p in range(2)],
         greedy_equal_unpatched_vs_reference=[
             bool((arrays[f"greedy_{p}_unpatched"] == arrays[f"greedy_{p}"]).all()) for p in range(2)])
-  if isinstance(model, (Mamba2ForCausalLM, GraniteMoeHybridForCausalLM)):
+  if isinstance(model, (Mamba2ForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM)):
     limits = {tuple(m.time_step_limit) for m in model.modules()
-              if type(m).__name__ in ("Mamba2Mixer", "GraniteMoeHybridMambaLayer")}
+              if type(m).__name__ in ("Mamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")}
     record["dt_limit"] = dict(mixer_time_step_limit=[[str(x) for x in l] for l in limits])
   for p, prompt in enumerate(prompt_list):
     arrays[f"prompt_{p}"] = prompt
