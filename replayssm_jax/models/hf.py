@@ -97,8 +97,9 @@ followed by a SwiGLU MLP; prefix ``model.``, as Granite 4.0 but without multipli
 attention logits scaled by head_dim^-1/2 with a rotary embedding of ``partial_rotary_factor``
 (0.5 when absent, as transformers sets it) of each head.
 
-Here I = H·P, C = I + 2·G·N (Mamba2) or 2·Hk·K + Hv·V (GDN); S = ``shared_intermediate_size``. Ignored tensors: ``mtp.*``
-(multi-token-prediction heads) and the vision tower (``visual.*``, ``model.visual.*``).
+Here I = H·P, C = I + 2·G·N (Mamba2) or 2·Hk·K + Hv·V (GDN), S = ``shared_intermediate_size``.
+Ignored tensors: ``mtp.*`` (multi-token-prediction heads) and the vision tower (``visual.*``,
+``model.visual.*``).
 
 Mamba2 step size: Δ = softplus(dt + dt_bias) clipped to ``time_step_limit`` ((0, ∞) in released
 checkpoints, so nothing is clipped), as NVIDIA's reference implementation does, in prefill and
