@@ -6,12 +6,12 @@ explicit cache pytree).
     logits = head(rmsnorm(h)) / logits_scaling
 
 Mixer_i is a GatedDeltaNet, a Mamba2 or a softmax-attention layer, chosen per layer by
-``LMConfig.layer_types`` (default: all GatedDeltaNet). Qwen3-Next / Qwen3.5 blocks carry a mixer
-and an MLP (``mixer_mlp=True``; ``mlp_types`` picks a dense SwiGLU or a mixture of experts per
-layer); Mamba2 / Nemotron-H checkpoints have mixer-only blocks (``mixer_mlp=False``) and separate
-MLP-only (``"mlp"``) or MoE-only (``"moe"``) blocks. Dense MLPs are SwiGLU (Qwen) or relu²
-(Nemotron-H, ``mlp_act="relu2"``). The three multipliers are 1 except in Granite 4.0 checkpoints
-(muP scalings).
+``LMConfig.layer_types`` (default: all GatedDeltaNet). Qwen3-Next / Qwen3.5, Granite 4.0 and Bamba
+blocks carry a mixer and an MLP (``mixer_mlp=True``; ``mlp_types`` picks a dense SwiGLU or a
+mixture of experts per layer); Mamba2 / Nemotron-H checkpoints have mixer-only blocks
+(``mixer_mlp=False``) and separate MLP-only (``"mlp"``) or MoE-only (``"moe"``) blocks. Dense MLPs
+are SwiGLU (Qwen, Granite, Bamba) or relu² (Nemotron-H, ``mlp_act="relu2"``). The three multipliers
+are 1 except in Granite 4.0 checkpoints (muP scalings).
 
 The cache (``LMCache``) holds one cache per *mixer* block, in block order (``GdnLayerCache``,
 ``Mamba2LayerCache`` or ``AttentionLayerCache``), the *one* ``ReplayCursor`` shared by all
