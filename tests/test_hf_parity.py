@@ -2,8 +2,9 @@
 ``save_pretrained``; see tests/data/README.md for the versions and the script that made them).
 
 For each family — Qwen3.5 (dense, attention every 4th layer), its multimodal wrapper, Qwen3-Next
-(attention + MoE), Qwen3.5-MoE, Nemotron-H (Mamba2, attention, MoE and MLP layers) and Mamba2 —
-the directory loads through ``load_pretrained`` and gives transformers' prefill logits (relative
+(attention + MoE), Qwen3.5-MoE, Nemotron-H (Mamba2, attention, MoE and MLP layers), Mamba2 and
+Granite 4.0 (Mamba2 + attention with MoE and shared MLP, muP multipliers; and its dense variant with
+rotary attention) and Bamba (Mamba2 + attention with partial rotary, SwiGLU MLPs) — the directory loads through ``load_pretrained`` and gives transformers' prefill logits (relative
 L2 <= 1e-5, float32, matmul precision highest) and its 32 greedy tokens, token for token, with
 ReplaySSM, conventional and speculative (3 n-gram drafts) decoding. No torch needed.
 """
@@ -20,7 +21,8 @@ from replayssm_jax.models import generate, load_pretrained
 
 ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT_DIR / "tests" / "data" / "hf"
-FAMILIES = ("qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_moe", "nemotron_h", "mamba2")
+FAMILIES = ("qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_moe", "nemotron_h", "mamba2", "granitemoehybrid",
+            "granitemoehybrid_dense_rope", "bamba")
 MAX_PROMPT = 16
 
 
@@ -79,18 +81,31 @@ def test_greedy_tokens_match_transformers(family, mode):
 
 
 def test_the_fixtures_exercise_what_they_claim(family):
-  """The layer kinds are what the family is about, and the Mamba2 step sizes fall on both sides
-  of transformers' Nemotron-H clamp (so the clamp semantics change the outputs)."""
+  """The layer kinds are what the family is about, the Mamba2 step sizes of Nemotron-H and Mamba2
+  fall on both sides of transformers' Nemotron-H clamp (so the clamp semantics change the
+  outputs), and Granite's multipliers and positional encoding are the ones the fixture names."""
   name, _, config, ref = family
   kinds = set(config.layer_types) | {config.block_mlp(i) for i in range(config.num_layers)}
   expected = {"qwen3_5": {"gdn", "attention", "dense"}, "qwen3_5_vl": {"gdn", "attention", "dense"},
               "qwen3_next": {"gdn", "attention", "moe", "dense"}, "qwen3_5_moe": {"gdn", "attention", "moe"},
               "nemotron_h": {"mamba2", "attention", "moe", "mlp", "dense", None},
-              "mamba2": {"mamba2", None}}[name]
+              "mamba2": {"mamba2", None}, "granitemoehybrid": {"mamba2", "attention", "moe"},
+              "granitemoehybrid_dense_rope": {"mamba2", "attention", "dense"},
+              "bamba": {"mamba2", "attention", "dense"}}[name]
   assert kinds == expected
-  if "mamba2" in config.layer_types:
+  if name in ("nemotron_h", "mamba2"):
     for b in range(2):
       assert 0.2 <= float(ref[f"dt_below_min_{b}"]) <= 0.8
+  granite = name.startswith("granitemoehybrid")
+  multipliers = (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling)
+  assert multipliers == ((12.0, 0.22, 8.0) if granite else (1.0, 1.0, 1.0))
+  if granite:
+    a = config.attention
+    assert a.logit_scale != a.head_dim ** -0.5
+    assert a.rotary_dim == (a.head_dim if name.endswith("rope") else 0)
+    assert config.moe is None or not config.moe.shared_expert_gate
+  if name == "bamba":
+    assert config.attention.rotary_dim == config.attention.head_dim // 2
 
 
 def test_nemotron_h_follows_time_step_limit_not_transformers_prefill_clamp():
@@ -166,6 +181,86 @@ def test_nemotron_h_configs_the_library_cannot_load(tmp_path, edit, error, match
 def test_qwen_configs_the_library_cannot_load(tmp_path, edit, error, match):
   with pytest.raises(error, match=match):
     load_pretrained(_rewrite(tmp_path, "qwen3_next", edit))
+
+
+def test_granite_hub_layouts_load_the_same_model(tmp_path):
+  """The Hub's config.json (legacy layer names "mamba" / "attention", top-level rope_theta, no
+  time_step_limit) and transformers' in-memory tensor names (``router.weight``,
+  ``experts.gate_up_proj``, ``experts.down_proj``) give the model of the saved fixtures."""
+  from safetensors.numpy import load_file, save_file
+
+  def hub_config(cfg):
+    legacy = {"linear_attention": "mamba", "full_attention": "attention"}
+    cfg["layer_types"] = [legacy[k] for k in cfg["layer_types"]]
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg["rope_scaling"] = None
+    cfg.pop("time_step_limit")
+
+  for name in ("granitemoehybrid", "granitemoehybrid_dense_rope"):
+    path = _rewrite(tmp_path, name, hub_config)
+    renames = {"router.layer.weight": "router.weight", "input_linear.weight": "experts.gate_up_proj",
+               "output_linear.weight": "experts.down_proj"}
+    tensors = {}
+    for key, value in load_file(path / "model.safetensors").items():
+      head, sep, tail = key.partition("block_sparse_moe.")
+      tensors[head + sep + renames.get(tail, tail) if sep else key] = value
+    save_file(tensors, path / "model.safetensors")
+    new, new_config = load_pretrained(DATA / name, max_prompt_len=MAX_PROMPT)
+    old, old_config = load_pretrained(path, max_prompt_len=MAX_PROMPT)
+    assert old_config == new_config
+    prompts, lengths = _prompts(_reference(name))
+    np.testing.assert_array_equal(_prefill_logits(old, prompts, lengths), _prefill_logits(new, prompts, lengths))
+
+
+@pytest.mark.parametrize("name, edit, error, match", [
+    ("granitemoehybrid", lambda c: c.update(layer_types=["mamba", "sliding_attention", "mamba", "mamba"]),
+     NotImplementedError, r"layer 1 is 'sliding_attention' \(layer_types\)"),
+    ("granitemoehybrid", lambda c: c.update(hidden_act="gelu"), NotImplementedError, "hidden_act='gelu'"),
+    ("granitemoehybrid", lambda c: c.update(mamba_proj_bias=True), NotImplementedError, "mamba_proj_bias=true"),
+    ("granitemoehybrid", lambda c: c.update(position_embedding_type="alibi"), NotImplementedError,
+     "position_embedding_type='alibi'"),
+    ("granitemoehybrid_dense_rope", lambda c: c["rope_parameters"].update(rope_type="yarn"), NotImplementedError,
+     "rope_type='yarn'"),
+    ("granitemoehybrid", lambda c: c.update(num_hidden_layers=5), ValueError,
+     "num_hidden_layers=5 but layer_types lists 4"),
+    ("granitemoehybrid", lambda c: c.pop("layer_types"), ValueError, "layer_types=None"),
+    ("granitemoehybrid", lambda c: c.update(mamba_d_head=12), ValueError, "mamba_d_head=12"),
+    ("granitemoehybrid", lambda c: c.update(num_local_experts=-1), ValueError, "num_local_experts=-1"),
+    ("granitemoehybrid", lambda c: c.pop("shared_intermediate_size"), ValueError, "no 'shared_intermediate_size'"),
+    ("granitemoehybrid", lambda c: c.update(logits_scaling=0), ValueError, "logits_scaling=0"),
+    ("granitemoehybrid", lambda c: c.update(embedding_multiplier="12"), ValueError, "embedding_multiplier='12'"),
+    ("granitemoehybrid_dense_rope", lambda c: c.update(attention_multiplier=-0.1), ValueError,
+     "attention_multiplier=-0.1"),
+], ids=["layer-kind", "activation", "proj-bias", "position", "rope", "layer-count", "no-kinds", "head-dim",
+        "experts", "shared-size", "logits-scaling", "multiplier-type", "attention-multiplier"])
+def test_granite_configs_the_library_cannot_load(tmp_path, name, edit, error, match):
+  with pytest.raises(error, match=match):
+    load_pretrained(_rewrite(tmp_path, name, edit))
+
+
+def test_bamba_hub_config_loads_the_same_model(tmp_path):
+  """The Hub's Bamba config.json: top-level rope_theta and no rope_parameters (transformers then
+  rotates half of each head, as the saved ``partial_rotary_factor`` 0.5 says)."""
+  def hub_config(cfg):
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg["rope_scaling"] = None
+
+  new, new_config = load_pretrained(DATA / "bamba", max_prompt_len=MAX_PROMPT)
+  old, old_config = load_pretrained(_rewrite(tmp_path, "bamba", hub_config), max_prompt_len=MAX_PROMPT)
+  assert old_config == new_config
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda c: c.update(attn_layer_indices=[4]), ValueError, r"attn_layer_indices=\[4\]; expected a list of "
+     r"layer indices in \[0, 4\)"),
+    (lambda c: c.update(mlp_bias=True), NotImplementedError, "mlp_bias=true"),
+    (lambda c: c.update(hidden_act="gelu"), NotImplementedError, "hidden_act='gelu'"),
+    (lambda c: c.update(mamba_proj_bias=True), NotImplementedError, "mamba_proj_bias=true"),
+    (lambda c: c["rope_parameters"].update(rope_type="dynamic"), NotImplementedError, "rope_type='dynamic'"),
+], ids=["attention-index", "mlp-bias", "activation", "proj-bias", "rope"])
+def test_bamba_configs_the_library_cannot_load(tmp_path, edit, error, match):
+  with pytest.raises(error, match=match):
+    load_pretrained(_rewrite(tmp_path, "bamba", edit))
 
 
 def test_vision_tower_is_skipped_with_a_warning(caplog):

@@ -253,3 +253,18 @@ def test_bad_options_and_configs(model, layer):
     cursor = rs.ReplayCursor.create(2)
     layer.prefill(_x((1, 4, 7)), layer.init_cache(2, cursor), jnp.zeros((1,), jnp.int32),
                   jnp.array([4], jnp.int32))
+
+
+def test_multipliers_default_to_identity_round_trip_and_are_validated():
+  """Granite's embedding / residual multipliers and logits scaling: 1.0 by default, kept by the
+  JSON round trip a preempted engine writes (``to_dict`` / ``from_dict``), bad values refused."""
+  import json
+  plain = LMConfig.tiny()
+  assert (plain.embedding_multiplier, plain.residual_multiplier, plain.logits_scaling) == (1.0, 1.0, 1.0)
+  scaled = LMConfig.tiny(embedding_multiplier=12, residual_multiplier=0.22, logits_scaling=8.0)
+  assert scaled.embedding_multiplier == 12.0 and isinstance(scaled.embedding_multiplier, float)
+  assert LMConfig.from_dict(json.loads(json.dumps(scaled.to_dict()))) == scaled
+  for name, value in (("embedding_multiplier", 0.0), ("residual_multiplier", -1.0),
+                      ("logits_scaling", float("inf")), ("logits_scaling", True)):
+    with pytest.raises(ValueError, match=f"{name}={value!r}; expected a finite float > 0"):
+      LMConfig.tiny(**{name: value})

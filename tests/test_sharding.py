@@ -6,8 +6,8 @@ pytest-xdist worker) has already done, and changing the device count in-process 
 every other test. The subprocess imports this module and calls ``_check``.
 
 For two hybrid stacks — GatedDeltaNet and Mamba2 layers; and GatedDeltaNet, attention, Mamba2 and
-a mixture of experts (in a mixer block and in an MoE-only block), heads, KV heads and expert widths
-split 4 ways: prefill, then 10 decode steps with buffer_len 4 (natural flushes) plus one forced
+a mixture of experts (in a mixer block and in an MoE-only block), with Granite's multipliers (embedding,
+residual, attention logits, logits scaling), heads, KV heads and expert widths split 4 ways: prefill, then 10 decode steps with buffer_len 4 (natural flushes) plus one forced
 flush, in replay and conventional mode: sharded logits == unsharded logits (float32, up to the
 psum's summation order), greedy tokens identical, and every cache array (checkpoints, rings, conv
 states, KV caches, cursor, positions) equal after unsharding.
@@ -38,12 +38,13 @@ def _check():
                mamba2_num_groups=4, max_prompt_len=16)
   _check_model(LMConfig.tiny_hybrid(num_layers=2, **heads))
   attention = AttentionConfig(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=4, qk_norm=True,
-                              norm_offset=1.0, output_gate=True)
+                              norm_offset=1.0, output_gate=True, scale=0.125)
   moe = MoEConfig(hidden_size=64, num_experts=8, top_k=2, expert_intermediate_size=16,
                   shared_intermediate_size=16, shared_expert_gate=True)
   _check_model(LMConfig.tiny_mamba2(num_layers=4, layer_types=("gdn", "attention", "mamba2", "moe"),
                                     mlp_types=("moe", "dense", "dense", "dense"), attention=attention,
-                                    moe=moe, **heads))
+                                    moe=moe, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                    logits_scaling=2.0, **heads))
   print("sharding checks passed")
 
 

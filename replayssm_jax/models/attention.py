@@ -1,4 +1,5 @@
-"""Softmax attention mixer with a slot-pool KV cache (Qwen3-Next / Qwen3.5 and Nemotron-H layers).
+"""Softmax attention mixer with a slot-pool KV cache (Qwen3-Next / Qwen3.5, Nemotron-H, Granite 4.0 and
+Bamba layers).
 
 Per token x ∈ R^D at absolute position p (H query heads, Hkv key/value heads, head size Dh):
 
@@ -50,7 +51,7 @@ class AttentionConfig:
     norm_offset: the q/k norms scale by ``norm_offset + w`` (1.0 for zero-centred weights).
     output_gate: q_proj also yields a per-channel gate, ``o_proj(o · sigmoid(gate))``.
     bias: q/k/v/o projections carry biases (``attention_bias``).
-    scale: logit scale; None = Dh^-1/2.
+    scale: logit scale; None = Dh^-1/2 (Granite 4.0: its ``attention_multiplier``).
   """
   num_heads: int
   num_kv_heads: int

@@ -66,13 +66,47 @@ RMSNorm, output gate ``o_proj(o · sigmoid(gate))``.
 ``lm_head.weight`` [V, D]                               ``head.kernel`` (transposed; the embedding if tied and absent)
 ====================================================  ===========================================
 
-Here I = H·P, C = I + 2·G·N (Mamba2) or 2·Hk·K + Hv·V (GDN). Ignored tensors: ``mtp.*``
-(multi-token-prediction heads) and the vision tower (``visual.*``, ``model.visual.*``).
+**Granite 4.0** (``model_type`` ``granitemoehybrid``; ``layer_types`` — ``mamba`` /
+``linear_attention``, ``attention`` / ``full_attention`` — or the older key ``layers_block_type``).
+Prefix ``model.``; every layer is a mixer block ``h + r·mixer(norm(h))`` followed by
+``h + r·(MoE(x) + shared_mlp(x))``, x = norm(h) (the shared MLP alone when ``num_local_experts``
+is 0, e.g. Granite-4.0-H-Micro), with r = ``residual_multiplier``, the embedding scaled by
+``embedding_multiplier``, the logits divided by ``logits_scaling`` and the attention logits
+scaled by ``attention_multiplier``. Attention has no positional encoding
+(``position_embedding_type`` "nope" or null, the released checkpoints) or a rotary embedding of
+the whole head (``"rope"``, ``rope_type`` "default"):
+
+====================================================  ===========================================
+``embed_tokens.weight`` [V, D]                          ``embed.embedding``
+``layers.{i}.input_layernorm.weight`` [D]               ``blocks[i].mixer_norm.weight``
+``layers.{i}.post_attention_layernorm.weight`` [D]      ``blocks[i].mlp_norm.weight``
+``layers.{i}.mamba.*`` (as Mamba2's ``mixer.*`` above)  ``blocks[i].mixer.*`` (conv bias if ``mamba_conv_bias``)
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight``          ``blocks[i].mixer.{q,k,v,o}_proj.kernel`` (biases if ``attention_bias``)
+``layers.{i}.block_sparse_moe.*``, ``shared_mlp.*``     ``blocks[i].mlp.*`` (MoE: ``models.moe.granite_moe_params``)
+``layers.{i}.shared_mlp.input_linear.weight`` [2S, D]   dense (no experts): ``blocks[i].mlp.gate_up.kernel`` (transposed, gate | up)
+``layers.{i}.shared_mlp.output_linear.weight`` [D, S]   dense: ``blocks[i].mlp.down.kernel`` (transposed)
+``norm.weight`` [D]                                     ``final_norm.weight``
+``lm_head.weight`` [V, D]                               ``head.kernel`` (transposed; the embedding if tied and absent)
+====================================================  ===========================================
+
+**Bamba** (``model_type`` ``bamba``): Mamba2 layers, attention at ``attn_layer_indices``, each
+followed by a SwiGLU MLP; prefix ``model.``, as Granite 4.0 but without multipliers, with
+``layers.{i}.pre_ff_layernorm.weight`` → ``blocks[i].mlp_norm.weight``,
+``layers.{i}.feed_forward.{gate,up,down}_proj.weight`` → ``blocks[i].mlp.gate_up.kernel`` /
+``down.kernel`` (as Qwen's ``mlp.*``), ``final_layernorm.weight`` → ``final_norm.weight``, and
+attention logits scaled by head_dim^-1/2 with a rotary embedding of ``partial_rotary_factor``
+(0.5 when absent, as transformers sets it) of each head.
+
+Here I = H·P, C = I + 2·G·N (Mamba2) or 2·Hk·K + Hv·V (GDN), S = ``shared_intermediate_size``.
+Ignored tensors: ``mtp.*`` (multi-token-prediction heads) and the vision tower (``visual.*``,
+``model.visual.*``).
 
 Mamba2 step size: Δ = softplus(dt + dt_bias) clipped to ``time_step_limit`` ((0, ∞) in released
 checkpoints, so nothing is clipped), as NVIDIA's reference implementation does, in prefill and
 decode alike. transformers' Nemotron-H instead clamps Δ at ``time_step_min`` (an initialisation
-parameter) in its chunked prefill and not in its decode step; see the README.
+parameter) in its chunked prefill and not in its decode step; see the README. transformers' Granite
+4.0 and Bamba clamp at ``time_step_limit`` in their prefill and not in their decode step, which
+agree for the released (0, ∞).
 
 Errors: a tensor the mapping does not know, a missing tensor, or a wrong shape raise
 ``ValueError`` naming the tensor, its shape and the expected one; a malformed config.json raises
@@ -94,7 +128,7 @@ from flax import nnx
 
 from replayssm_jax.models.attention import AttentionConfig
 from replayssm_jax.models.lm import LM, LMConfig
-from replayssm_jax.models.moe import hf_moe_params, moe_config_from_hf
+from replayssm_jax.models.moe import granite_moe_params, hf_moe_params, moe_config_from_hf
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +143,9 @@ NEMOTRON_LAYERS = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attent
                    "attention": "attention", "mlp": "mlp", "moe": "moe"}
 NEMOTRON_PATTERN = {"M": "mamba2", "*": "attention", "-": "mlp", "E": "moe"}
 # Older Nemotron-H config.json names of the Mamba2 keys.
+# Granite 4.0 layer kinds (transformers 5.x names and the Hub's legacy ones).
+GRANITE_LAYERS = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "attention",
+                  "attention": "attention"}
 NEMOTRON_LEGACY_KEYS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel",
                         "mamba_dt_limit": "time_step_limit", "mamba_conv_bias": "use_conv_bias",
                         "mamba_proj_bias": "use_bias"}
@@ -196,10 +233,18 @@ def _int(hf: dict, key: str, default=None) -> int:
   return value
 
 
+def _float(hf: dict, key: str, default: float) -> float:
+  """A positive finite number (Granite's multipliers)."""
+  value = _get(hf, key, default)
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    raise ValueError(f"config.json {key}={value!r}; expected a finite number > 0")
+  return float(value)
+
+
 # ---- config --------------------------------------------------------------------------------
 
 def _plan(hf: dict, *, dtype, max_prompt_len):
-  """("qwen" | "mamba", LMConfig) from config.json."""
+  """("qwen" | "mamba" | "granite" | "bamba", LMConfig) from config.json."""
   model_type = hf.get("model_type")
   text = hf.get("text_config", hf)
   if model_type in QWEN_TYPES or (isinstance(text, dict) and "linear_num_value_heads" in text):
@@ -210,9 +255,14 @@ def _plan(hf: dict, *, dtype, max_prompt_len):
     return _plan_qwen(merged, dtype, max_prompt_len)
   if model_type in ("mamba2", "nemotron_h"):
     return _plan_mamba(hf, dtype, max_prompt_len)
+  if model_type == "granitemoehybrid":
+    return _plan_granite(hf, dtype, max_prompt_len)
+  if model_type == "bamba":
+    return _plan_bamba(hf, dtype, max_prompt_len)
   raise NotImplementedError(
       f"config.json model_type={model_type!r} is not supported; load_pretrained reads Qwen3-Next / "
-      f"Qwen3.5 / Qwen3.5-MoE ({', '.join(QWEN_TYPES)}), mamba2 and nemotron_h checkpoints")
+      f"Qwen3.5 / Qwen3.5-MoE ({', '.join(QWEN_TYPES)}), mamba2, nemotron_h, granitemoehybrid and "
+      f"bamba checkpoints")
 
 
 def _layer_kinds(names, table, what):
@@ -225,8 +275,11 @@ def _layer_kinds(names, table, what):
   return tuple(kinds)
 
 
-def _rope(hf: dict, head_dim: int):
-  """(rotary_dim, theta) from ``rope_parameters`` (5.x) or the top-level keys of older files."""
+def _rope(hf: dict, head_dim: int, *, default_factor: float | None = 0.25):
+  """(rotary_dim, theta) from ``rope_parameters`` (5.x) or the top-level keys of older files.
+
+  ``default_factor``: the family's ``partial_rotary_factor`` when the config has none (Qwen 0.25,
+  Bamba 0.5); None: the whole head turns whatever the config says (Granite's rope ignores it)."""
   params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   if not isinstance(params, dict):
     raise ValueError(f"config.json rope_parameters={params!r}; expected an object")
@@ -235,7 +288,8 @@ def _rope(hf: dict, head_dim: int):
     raise NotImplementedError(f"attention with rope_type={rope_type!r}; only the default rotary "
                               f"embedding is implemented")
   theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-  factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+  factor = (1.0 if default_factor is None
+            else params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_factor)))
   rotary = int(head_dim * factor)
   return rotary - rotary % 2, float(theta)
 
@@ -357,6 +411,94 @@ def _plan_mamba(hf, dtype, max_prompt_len):
   return "mamba", config
 
 
+def _mamba_shape(hf: dict, hidden: int) -> dict:
+  """Mamba2 LMConfig fields from the ``mamba_*`` keys of a Granite 4.0 / Bamba config."""
+  heads, inner = _int(hf, "mamba_n_heads"), _int(hf, "mamba_expand", 2) * hidden
+  head_dim = hf.get("mamba_d_head", "auto")
+  head_dim = inner // heads if head_dim == "auto" else head_dim
+  if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim * heads != inner:
+    raise ValueError(f"config.json mamba_d_head={hf.get('mamba_d_head')!r}, mamba_n_heads={heads}; expected "
+                     f"mamba_n_heads · mamba_d_head = mamba_expand · hidden_size = {inner}")
+  if hf.get("mamba_proj_bias"):
+    raise NotImplementedError("mamba_proj_bias=true (Mamba2 in_proj/out_proj biases) is not implemented")
+  return dict(mamba2_num_heads=heads, mamba2_head_dim=head_dim, mamba2_num_groups=_int(hf, "mamba_n_groups", 1),
+              mamba2_state_dim=_int(hf, "mamba_d_state"), conv_kernel=_int(hf, "mamba_d_conv", 4),
+              mamba2_dt_limit=_time_step_limit(hf))
+
+
+def _plan_granite(hf, dtype, max_prompt_len):
+  """Granite 4.0 (GraniteMoeHybridForCausalLM): h + r·mixer(norm(h)), then h + r·(MoE + shared
+  MLP)(norm(h)) in every layer (the shared MLP alone when num_local_experts = 0)."""
+  names = hf["layer_types"] if hf.get("layer_types") is not None else hf.get("layers_block_type")
+  if not isinstance(names, list):
+    raise ValueError(f"config.json layer_types={names!r}; expected a list of layer kinds "
+                     f"(\"mamba\" / \"attention\" or \"linear_attention\" / \"full_attention\")")
+  types = _layer_kinds(names, GRANITE_LAYERS, "layer_types")
+  n = hf.get("num_hidden_layers")
+  if n is not None and n != len(types):
+    raise ValueError(f"config.json num_hidden_layers={n} but layer_types lists {len(types)} layers")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}; only silu is implemented")
+  d = _int(hf, "hidden_size")
+  experts = hf.get("num_local_experts", 8)   # transformers' default
+  if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
+    raise ValueError(f"config.json num_local_experts={experts!r}; expected an int >= 0 (0 = dense)")
+  moe = moe_config_from_hf(hf, dtype=dtype) if experts else None
+  attention = None
+  if "attention" in types:
+    heads = _int(hf, "num_attention_heads")
+    head_dim = _int(hf, "head_dim", d // heads)
+    position = hf.get("position_embedding_type")
+    if position not in (None, "nope", "rope"):
+      raise NotImplementedError(f"position_embedding_type={position!r}; implemented: 'rope', 'nope' / null")
+    rotary, theta = _rope(hf, head_dim, default_factor=None) if position == "rope" else (0, 10000.0)
+    # GraniteMoeHybridAttention: logits scaled by attention_multiplier (not head_dim^-1/2).
+    attention = AttentionConfig(
+        num_heads=heads, num_kv_heads=_int(hf, "num_key_value_heads", heads), head_dim=head_dim,
+        rotary_dim=rotary, rope_theta=theta, bias=bool(hf.get("attention_bias", False)),
+        scale=_float(hf, "attention_multiplier", 1.0))
+  mamba = _mamba_shape(hf, d) if "mamba2" in types else {}
+  config = LMConfig(
+      vocab_size=_int(hf, "vocab_size"), hidden_size=d, num_layers=len(types),
+      intermediate_size=1 if experts else _int(hf, "shared_intermediate_size"),
+      rms_eps=float(_get(hf, "rms_norm_eps", 1e-6)), dtype=dtype, max_prompt_len=max_prompt_len,
+      layer_types=types, attention=attention, moe=moe, mlp_types=("moe" if experts else "dense",) * len(types),
+      embedding_multiplier=_float(hf, "embedding_multiplier", 1.0),
+      residual_multiplier=_float(hf, "residual_multiplier", 1.0),
+      logits_scaling=_float(hf, "logits_scaling", 1.0), **mamba, **_NOT_USED)
+  return "granite", config
+
+
+def _plan_bamba(hf, dtype, max_prompt_len):
+  """Bamba (BambaForCausalLM): Mamba2 layers, attention at ``attn_layer_indices``, a SwiGLU MLP
+  in every layer; attention with rotary embedding of ``partial_rotary_factor`` (0.5) of each head."""
+  n = _int(hf, "num_hidden_layers")
+  indices = hf.get("attn_layer_indices") or []
+  if (not isinstance(indices, list)
+      or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in indices)):
+    raise ValueError(f"config.json attn_layer_indices={indices!r}; expected a list of layer indices in [0, {n})")
+  types = tuple("attention" if i in indices else "mamba2" for i in range(n))
+  if hf.get("hidden_act", "silu") != "silu":
+    raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}; only silu is implemented")
+  if hf.get("mlp_bias"):
+    raise NotImplementedError("mlp_bias=true (MLP projection biases) is not implemented")
+  d = _int(hf, "hidden_size")
+  attention = None
+  if indices:
+    heads = _int(hf, "num_attention_heads")
+    head_dim = _int(hf, "head_dim", d // heads)
+    rotary, theta = _rope(hf, head_dim, default_factor=0.5)
+    attention = AttentionConfig(num_heads=heads, num_kv_heads=_int(hf, "num_key_value_heads", heads),
+                                head_dim=head_dim, rotary_dim=rotary, rope_theta=theta,
+                                bias=bool(hf.get("attention_bias", False)))
+  mamba = _mamba_shape(hf, d) if len(indices) < n else {}
+  config = LMConfig(
+      vocab_size=_int(hf, "vocab_size"), hidden_size=d, num_layers=n, intermediate_size=_int(hf, "intermediate_size"),
+      rms_eps=float(_get(hf, "rms_norm_eps", 1e-5)), dtype=dtype, max_prompt_len=max_prompt_len,
+      layer_types=types, attention=attention, **mamba, **_NOT_USED)
+  return "bamba", config
+
+
 # ---- tensors -------------------------------------------------------------------------------
 
 class _Tensors:
@@ -393,9 +535,10 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
   d, v = c.hidden_size, c.vocab_size
   out = {}
   qwen = family == "qwen"
-  if qwen:
+  if family != "mamba":
     prefix = "model.language_model." if t.has("model.language_model.embed_tokens.weight") else "model."
-    embed, final = prefix + "embed_tokens.weight", prefix + "norm.weight"
+    embed = prefix + "embed_tokens.weight"
+    final = prefix + ("final_layernorm.weight" if family == "bamba" else "norm.weight")
   else:
     prefix = "backbone."
     embed = prefix + ("embedding.weight" if t.has(prefix + "embedding.weight") else "embeddings.weight")
@@ -410,6 +553,9 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
 
   for i, kind in enumerate(c.layer_types):
     blk, layer = f"blocks.{i}.", f"{prefix}layers.{i}."
+    if family in ("granite", "bamba"):
+      out.update(_ibm_block(t, layer, blk, kind, c, family, hf.get("mamba_conv_bias", True)))
+      continue
     if qwen:
       out[blk + "mixer_norm.weight"] = t.take(layer + "input_layernorm.weight", (d,))
       out[blk + "mlp_norm.weight"] = t.take(layer + "post_attention_layernorm.weight", (d,))
@@ -420,9 +566,7 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
       if c.block_mlp(i) == "moe":
         out.update(_moe(t, layer + "mlp.", blk + "mlp.", c))
       else:
-        gate, up = (t.take(layer + f"mlp.{name}_proj.weight", (c.intermediate_size, d)) for name in ("gate", "up"))
-        out[blk + "mlp.gate_up.kernel"] = np.concatenate([gate, up]).T
-        out[blk + "mlp.down.kernel"] = t.take(layer + "mlp.down_proj.weight", (d, c.intermediate_size)).T
+        out.update(_swiglu(t, layer + "mlp.", blk + "mlp.", c))
       continue
     norm = t.take(layer + "norm.weight", (d,))
     if kind == "mamba2":
@@ -440,6 +584,36 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
       out[blk + "mlp.down.kernel"] = t.take(layer + "mixer.down_proj.weight", (d, c.intermediate_size)).T
   t.finish()
   return out
+
+
+def _ibm_block(t: _Tensors, layer: str, blk: str, kind: str, c: LMConfig, family: str, conv_bias: bool) -> dict:
+  """One Granite 4.0 or Bamba decoder layer: norms, ``mamba.*`` or ``self_attn.*``, the MLP."""
+  d = c.hidden_size
+  mlp_norm = "pre_ff_layernorm" if family == "bamba" else "post_attention_layernorm"
+  out = {blk + "mixer_norm.weight": t.take(layer + "input_layernorm.weight", (d,)),
+         blk + "mlp_norm.weight": t.take(layer + mlp_norm + ".weight", (d,))}
+  if kind == "attention":
+    out.update(_attention(t, layer + "self_attn.", blk + "mixer.", c))
+  else:
+    out.update(_mamba2(t, layer + "mamba.", blk + "mixer.", c, conv_bias))
+  if family == "bamba":
+    out.update(_swiglu(t, layer + "feed_forward.", blk + "mlp.", c))
+  elif c.moe is not None:
+    out.update({blk + "mlp." + k: v for k, v in granite_moe_params(t.take, t.has, layer, c.moe).items()})
+  else:   # the shared MLP alone: a dense SwiGLU, input_linear rows gate | up
+    s = c.intermediate_size
+    out[blk + "mlp.gate_up.kernel"] = t.take(layer + "shared_mlp.input_linear.weight", (2 * s, d),
+                                             what="(gate rows | up rows)").T
+    out[blk + "mlp.down.kernel"] = t.take(layer + "shared_mlp.output_linear.weight", (d, s)).T
+  return out
+
+
+def _swiglu(t: _Tensors, src: str, dst: str, c: LMConfig) -> dict:
+  """A dense SwiGLU MLP from ``{gate,up,down}_proj.weight``."""
+  d, i = c.hidden_size, c.intermediate_size
+  gate, up = (t.take(src + f"{name}_proj.weight", (i, d)) for name in ("gate", "up"))
+  return {dst + "gate_up.kernel": np.concatenate([gate, up]).T,
+          dst + "down.kernel": t.take(src + "down_proj.weight", (d, i)).T}
 
 
 def _gdn(t: _Tensors, src: str, dst: str, c: LMConfig) -> dict:

@@ -1,16 +1,17 @@
 """A hybrid language model of GatedDeltaNet, Mamba2 and attention layers (functional NNX,
 explicit cache pytree).
 
-    h = embed(tokens)
-    N × { h = h + Mixer_i(rmsnorm(h));  h = h + MLP_i(rmsnorm(h)) }
-    logits = head(rmsnorm(h))
+    h = embed(tokens) · embedding_multiplier
+    N × { h = h + r · Mixer_i(rmsnorm(h));  h = h + r · MLP_i(rmsnorm(h)) }     r = residual_multiplier
+    logits = head(rmsnorm(h)) / logits_scaling
 
 Mixer_i is a GatedDeltaNet, a Mamba2 or a softmax-attention layer, chosen per layer by
-``LMConfig.layer_types`` (default: all GatedDeltaNet). Qwen3-Next / Qwen3.5 blocks carry a mixer
-and an MLP (``mixer_mlp=True``; ``mlp_types`` picks a dense SwiGLU or a mixture of experts per
-layer); Mamba2 / Nemotron-H checkpoints have mixer-only blocks (``mixer_mlp=False``) and separate
-MLP-only (``"mlp"``) or MoE-only (``"moe"``) blocks. Dense MLPs are SwiGLU (Qwen) or relu²
-(Nemotron-H, ``mlp_act="relu2"``).
+``LMConfig.layer_types`` (default: all GatedDeltaNet). Qwen3-Next / Qwen3.5, Granite 4.0 and Bamba
+blocks carry a mixer and an MLP (``mixer_mlp=True``; ``mlp_types`` picks a dense SwiGLU or a
+mixture of experts per layer); Mamba2 / Nemotron-H checkpoints have mixer-only blocks
+(``mixer_mlp=False``) and separate MLP-only (``"mlp"``) or MoE-only (``"moe"``) blocks. Dense MLPs
+are SwiGLU (Qwen, Granite, Bamba) or relu² (Nemotron-H, ``mlp_act="relu2"``). The three multipliers
+are 1 except in Granite 4.0 checkpoints (muP scalings).
 
 The cache (``LMCache``) holds one cache per *mixer* block, in block order (``GdnLayerCache``,
 ``Mamba2LayerCache`` or ``AttentionLayerCache``), the *one* ``ReplayCursor`` shared by all
@@ -92,6 +93,9 @@ class LMConfig:
       hidden_size and dtype must be the model's).
     mlp_types: with ``mixer_mlp``, "dense" or "moe" per layer (None = all "dense"); entries of
       layers without a mixer are ignored.
+    embedding_multiplier: scales the token embeddings (Granite 4.0's ``embedding_multiplier``).
+    residual_multiplier: scales every mixer and MLP output before its residual add (Granite).
+    logits_scaling: the logits are the head's output divided by it (Granite).
   """
   vocab_size: int
   hidden_size: int
@@ -117,6 +121,9 @@ class LMConfig:
   attention: AttentionConfig | None = None
   moe: MoEConfig | None = None
   mlp_types: tuple | None = None
+  embedding_multiplier: float = 1.0
+  residual_multiplier: float = 1.0
+  logits_scaling: float = 1.0
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "intermediate_size", "max_prompt_len"):
@@ -136,6 +143,11 @@ class LMConfig:
       raise ValueError(f"mlp_act={self.mlp_act!r}; expected one of {MLP_ACTS}")
     if isinstance(self.norm_offset, bool) or not isinstance(self.norm_offset, (int, float)):
       raise ValueError(f"norm_offset={self.norm_offset!r}; expected a float (0.0 or 1.0)")
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name}={value!r}; expected a finite float > 0 (1.0 = no scaling)")
+      object.__setattr__(self, name, float(value))
     object.__setattr__(self, "layer_types", types)
     object.__setattr__(self, "dtype", self.mixer().dtype)  # validates the mixer fields too
     if "mamba2" in types:
@@ -420,16 +432,16 @@ class LM(nnx.Module):
 
   def _run_blocks(self, h, cache, mixer_fn):
     """h through every block; ``mixer_fn(block, x, layer_cache) -> (y, layer_cache)``."""
-    caches, layers = iter(cache.layers), []
+    caches, layers, r = iter(cache.layers), [], self.config.residual_multiplier
     for block in self.blocks:
       if block.has_mixer:
         y, lc = mixer_fn(block, block.mixer_norm(h), next(caches))
-        h = h + self._mixed(y)
+        h = h + r * self._mixed(y)
         layers.append(lc)
       if block.has_mlp:
         y = block.mlp(block.mlp_norm(h))
         # Experts are split over the tensor-parallel axis (partial sums); dense MLPs are replicated.
-        h = h + (self._mixed(y) if block.mlp_type == "moe" else y)
+        h = h + r * (self._mixed(y) if block.mlp_type == "moe" else y)
     return h, tuple(layers)
 
   def _start(self, cache, slots):
@@ -440,8 +452,11 @@ class LM(nnx.Module):
     """positions[slots[b]] = start[b] + count[b] on live rows."""
     return _slots.scatter_rows(cache.positions, slots, start + count)
 
+  def _embed(self, tokens):
+    return self.embed(tokens) * self.config.embedding_multiplier
+
   def _head(self, h):
-    return self.head(self.final_norm(h)).astype(f32)
+    return self.head(self.final_norm(h)).astype(f32) / self.config.logits_scaling
 
   def prefill(self, tokens, cache: LMCache, slots, lengths, *, resume=False):
     """Right-padded prompts; writes the slots' caches and empties their windows.
@@ -477,7 +492,7 @@ class LM(nnx.Module):
               else _stack_verify.current_state(stack, cache.read_index, slots))
       return block.mixer.prefill(x, lc, slots, lengths, initial_state=S0)
 
-    h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
+    h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn)
     out = cache.replace(layers=layers, cursor=cache.cursor.reset(slots),
                         positions=self._advance(cache, slots, start, lengths))
     if cache.stacks is not None:   # the prefill state becomes stack entry 0
@@ -528,7 +543,7 @@ class LM(nnx.Module):
         return y[:, 0], lc
       return block.mixer.decode(x, lc, plan, replay=replay, implementation=implementation)
 
-    h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
+    h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn)
     # Conventional mode never appends to the ring, so the windows stay empty and are not advanced.
     cursor = cache.cursor.commit(plan) if replay else cache.cursor
     return self._head(h), cache.replace(layers=layers, cursor=cursor,
@@ -604,7 +619,7 @@ class LM(nnx.Module):
       stacks_out.append(stack)
       return y, lc
 
-    h, layers = self._run_blocks(self.embed(tokens), cache, mixer_fn)
+    h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn)
     out = cache.replace(layers=layers) if replay else cache.replace(layers=layers, stacks=tuple(stacks_out))
     return self._head(h), VerifyStep(cache=out, plan=plan, windows=tuple(windows), replay=replay)
 

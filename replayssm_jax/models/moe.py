@@ -1,9 +1,9 @@
-"""Mixture-of-experts MLPs of Qwen3-Next / Qwen3.5-MoE and Nemotron-H, as transformers 5.x defines them.
+"""Mixture-of-experts MLPs of Qwen3-Next / Qwen3.5-MoE, Nemotron-H and Granite 4.0, as transformers 5.x defines them.
 
 For tokens x [T, D] (any leading shape is flattened), E experts, top-k (``top_k``):
 
     logits = x · W_r                       [T, E]   float32 (router weights are float32)
-    s      = softmax(logits)   router="softmax" (Qwen3-Next, Qwen3.5-MoE)
+    s      = softmax(logits)   router="softmax" (Qwen3-Next, Qwen3.5-MoE, Granite 4.0)
            | sigmoid(logits)   router="sigmoid" (Nemotron-H)
     c      = s + b             b = correction_bias (else 0): used to *choose* experts only
     c      = -inf outside the topk_group best of n_group groups (group score: sum of its top-2 c)
@@ -15,7 +15,8 @@ expert_e(h) = down_e(silu(gate_e(h)) · up_e(h)) (activation="swiglu") or down_e
 ("relu2"); the shared expert has the same activation. in / out are Nemotron-H's latent projections
 (``latent_size``; identity otherwise). Routing and the weighted sum run in float32, the expert
 matmuls in the model dtype (the second one accumulates in float32); the output has the model dtype.
-Transformers' Qwen blocks round the router logits and the routing weights to the model dtype, so
+Granite's router takes the softmax of the k largest logits, which is the renormalised softmax
+(``norm_topk_prob``) up to rounding. Transformers' Qwen blocks round the router logits and the routing weights to the model dtype, so
 at bfloat16 this module is slightly more exact than they are; at float32 the two agree.
 
 Dispatch: the T·k (token, expert) pairs are sorted by expert (``argsort``), the tokens gathered in
@@ -60,6 +61,13 @@ Nemotron-H, fused / per expert (Din = L or D):
 ``shared_experts.down_proj.weight`` [D, S]          ``shared_down`` [S, D]
 ``fc1_latent_proj.weight`` [L, D]                   ``latent_in`` [D, L]
 ``fc2_latent_proj.weight`` [D, L]                   ``latent_out`` [L, D]
+Granite 4.0 (``granite_moe_params``; relative to ``model.layers.{i}.``):
+``block_sparse_moe.router.layer.weight`` [E, D]     ``router`` [D, E] (float32; or ``router.weight``)
+``block_sparse_moe.input_linear.weight`` [E, 2I, D]  ``gate_up`` [E, D, 2I] (gate | up; or
+                                                    ``experts.gate_up_proj``)
+``block_sparse_moe.output_linear.weight`` [E, D, I]  ``down`` [E, I, D] (or ``experts.down_proj``)
+``shared_mlp.input_linear.weight`` [2S, D]          ``shared_gate_up`` [D, 2S] (gate | up)
+``shared_mlp.output_linear.weight`` [D, S]          ``shared_down`` [S, D]
 =================================================  ==========================================
 
 transformers 5.x ``save_pretrained`` writes the per-expert names by default (it reverts its
@@ -276,7 +284,9 @@ def moe_config_from_hf(hf: dict, *, dtype=jnp.float32) -> MoEConfig:
   """The MoEConfig of the MoE layers of a transformers config dict (the text config for Qwen3.5).
 
   ``hf["model_type"]`` picks the family: qwen3_next, qwen3_5_moe(_text) (Qwen3.5-MoE always
-  renormalises, as transformers does, whatever ``norm_topk_prob`` says), nemotron_h. Keys absent
+  renormalises, as transformers does, whatever ``norm_topk_prob`` says), nemotron_h,
+  granitemoehybrid (experts of width ``intermediate_size``, the shared MLP of width
+  ``shared_intermediate_size`` as the ungated shared expert). Keys absent
   from the dict take transformers' defaults, except the sizes, which are required. Raises
   NotImplementedError for an activation other than silu (Qwen) / relu2 (Nemotron-H) and for
   Nemotron-H ``mlp_bias`` (biases on the shared expert and latent projections).
@@ -313,8 +323,18 @@ def moe_config_from_hf(hf: dict, *, dtype=jnp.float32) -> MoEConfig:
         n_group=hf.get("n_group", 1), topk_group=hf.get("topk_group", 1),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)), correction_bias=True,
         latent_size=hf.get("moe_latent_size"), dtype=dtype)
+  if model_type == "granitemoehybrid":
+    if hf.get("hidden_act", "silu") != "silu":
+      raise NotImplementedError(f"Granite MoE with hidden_act={hf['hidden_act']!r}; only silu is implemented")
+    # GraniteMoeHybridTopKRouter: softmax over the k largest logits, which is the softmax over all
+    # experts renormalised over the chosen k (norm_topk_prob). The shared MLP has no gate.
+    return MoEConfig(
+        hidden_size=need("hidden_size"), num_experts=need("num_local_experts"),
+        top_k=need("num_experts_per_tok"), expert_intermediate_size=need("intermediate_size"),
+        shared_intermediate_size=need("shared_intermediate_size"), router="softmax",
+        activation="swiglu", norm_topk_prob=True, dtype=dtype)
   raise NotImplementedError(f"MoE layers of model_type={model_type!r}; implemented: "
-                            f"{', '.join(QWEN_MOE_TYPES)}, nemotron_h")
+                            f"{', '.join(QWEN_MOE_TYPES)}, nemotron_h, granitemoehybrid")
 
 
 def hf_moe_params(take, has, prefix: str, config: MoEConfig) -> dict:
@@ -357,3 +377,30 @@ def hf_moe_params(take, has, prefix: str, config: MoEConfig) -> dict:
     out["latent_in"] = take(p + "fc1_latent_proj.weight", (din, d)).T
     out["latent_out"] = take(p + "fc2_latent_proj.weight", (d, din)).T
   return out
+
+
+def granite_moe_params(take, has, prefix: str, config: MoEConfig) -> dict:
+  """{MoE parameter name: float32 array} of one Granite 4.0 block (``block_sparse_moe.*`` and the
+  ``shared_mlp.*`` it adds; module docstring).
+
+  Args:
+    take, has: as for ``hf_moe_params``.
+    prefix: the decoder layer's tensor prefix, e.g. ``"model.layers.3."``.
+    config: the layer's MoEConfig (``moe_config_from_hf`` of a granitemoehybrid config).
+
+  The Hub's names (``router.layer``, ``input_linear``, ``output_linear``, also what transformers
+  5.x ``save_pretrained`` writes) and transformers' in-memory names (``router.weight``,
+  ``experts.gate_up_proj``, ``experts.down_proj``) are both read.
+  """
+  c = config
+  d, e, i, s = c.hidden_size, c.num_experts, c.expert_intermediate_size, c.shared_intermediate_size
+  p = prefix + "block_sparse_moe."
+  first = lambda *names: next((n for n in names if has(p + n)), names[0])
+  return {
+      "router": take(p + first("router.layer.weight", "router.weight"), (e, d)).T,
+      "gate_up": take(p + first("input_linear.weight", "experts.gate_up_proj"), (e, 2 * i, d),
+                      what="(experts, gate rows | up rows, in)").transpose(0, 2, 1),
+      "down": take(p + first("output_linear.weight", "experts.down_proj"), (e, d, i)).transpose(0, 2, 1),
+      "shared_gate_up": take(prefix + "shared_mlp.input_linear.weight", (2 * s, d), what="(gate rows | up rows)").T,
+      "shared_down": take(prefix + "shared_mlp.output_linear.weight", (d, s)).T,
+  }

@@ -18,7 +18,7 @@ and two files of references computed by transformers from that directory, loaded
   ``decode_logits_p``   float32 [32, V]     the logits ``generate`` took each of those tokens from
   ``full_logits_p``     float32 [T_p+31, V] one forward over prompt + greedy_p[:31], no cache
   ``recompute_p``       int32 [32]          argmax of a fresh no-cache forward over prompt + greedy_p[:t]
-  ``dt_below_min_p``    float32 []          (models with Mamba2 mixers) fraction of softplus(dt + dt_bias)
+  ``dt_below_min_p``    float32 []          (Mamba2 and Nemotron-H) fraction of softplus(dt + dt_bias)
                                             over the prompt's prefill, all mixers, below ``time_step_min``
   Nemotron-H also has every array but ``prompt_p`` again with the suffix ``_unpatched`` (see below).
 ``reference.json``: the seed, layer kinds and sizes, the checks below and their outcomes.
@@ -44,6 +44,13 @@ attribute set back to ``config.time_step_limit`` after loading (``_follow_dt_lim
 ``*_unpatched`` arrays are what transformers gives without that change. ``dt_bias`` is drawn so
 that part of the heads run with dt below ``time_step_min`` and the rest well above it, so the two
 semantics differ visibly. ``Mamba2Mixer`` already clamps with ``config.time_step_limit``.
+``GraniteMoeHybridMambaLayer`` and ``BambaMixer`` clamp with ``config.time_step_limit`` in their
+chunked prefill and not in their decode step; the Granite and Bamba fixtures keep the released
+(0, inf), where both agree.
+
+Granite 4.0 fixtures draw the embedding with standard deviation 1 / ``embedding_multiplier`` and
+the head with ``logits_scaling`` times the usual scale, so hidden states and logits keep the
+spreads of the other fixtures while every multiplier changes the outputs.
 """
 import argparse
 import datetime
@@ -61,7 +68,8 @@ import safetensors
 import torch
 import transformers
 from torch import nn
-from transformers import (Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM,
+from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
+                          Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM,
                           Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                           Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
                           Qwen3NextConfig, Qwen3NextForCausalLM)
@@ -75,7 +83,9 @@ MIN_ROUTER_GAP = 1e-4  # routers: last chosen minus first unchosen score (and gr
 MAX_SEED_TRIES = 50
 ZERO_CENTRED_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")  # y = x̂ · (1 + w)
 PLAIN_NORMS = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated",
-               "NemotronHRMSNorm", "NemotronHRMSNormGated", "Mamba2RMSNorm", "MambaRMSNormGated")
+               "NemotronHRMSNorm", "NemotronHRMSNormGated", "Mamba2RMSNorm", "MambaRMSNormGated",
+               "GraniteMoeHybridRMSNorm", "GraniteMoeHybridRMSNormGated", "BambaRMSNorm", "BambaRMSNormGated")
+MAMBA2_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
 
 # ---- the fixtures --------------------------------------------------------------------------
 
@@ -138,8 +148,44 @@ def mamba2():
   return Mamba2ForCausalLM, config
 
 
+# Granite 4.0: muP multipliers away from 1 (embedding draws scaled by 1/embedding_multiplier and the
+# head by logits_scaling, so activations and logits keep unit-scale spreads).
+GRANITE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+               shared_intermediate_size=32, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+               mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, mamba_conv_bias=True, embedding_multiplier=12.0,
+               residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=False, bos_token_id=None,
+               eos_token_id=None, pad_token_id=None)
+
+
+def granitemoehybrid():
+  """Granite-4.0-H-Tiny-like: Mamba2 + attention (no positional encoding), MoE + shared MLP in every layer."""
+  config = GraniteMoeHybridConfig(**GRANITE, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
+                                  num_local_experts=8, num_experts_per_tok=3, intermediate_size=12,
+                                  attention_multiplier=0.0625, position_embedding_type="nope")
+  return GraniteMoeHybridForCausalLM, config
+
+
+def granitemoehybrid_dense_rope():
+  """Granite-4.0-H-Micro-like (no experts: the shared MLP alone), with rotary attention."""
+  config = GraniteMoeHybridConfig(**GRANITE, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                  num_local_experts=0, intermediate_size=12, attention_multiplier=0.125,
+                                  position_embedding_type="rope", rope_parameters=dict(rope_type="default", rope_theta=3e4))
+  return GraniteMoeHybridForCausalLM, config
+
+
+def bamba():
+  """Mamba2 layers, attention at layer 2 (rotary on half of each head, the transformers default), SwiGLU MLPs."""
+  config = BambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=4,
+                       attn_layer_indices=[2], num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
+                       mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                       mamba_chunk_size=8, mamba_conv_bias=True, rope_parameters=dict(rope_type="default", rope_theta=5e4),
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  return BambaForCausalLM, config
+
+
 FIXTURES = dict(qwen3_5=qwen3_5, qwen3_5_vl=qwen3_5_vl, qwen3_next=qwen3_next, qwen3_5_moe=qwen3_5_moe,
-                nemotron_h=nemotron_h, mamba2=mamba2)
+                nemotron_h=nemotron_h, mamba2=mamba2, granitemoehybrid=granitemoehybrid,
+                granitemoehybrid_dense_rope=granitemoehybrid_dense_rope, bamba=bamba)
 SHARED_SEED = dict(qwen3_5_vl="qwen3_5")  # same seed: equal tensor names get equal values
 
 
@@ -179,26 +225,27 @@ def _value(model, module, module_name, leaf, shape, gen):
   if kind in PLAIN_NORMS or isinstance(module, nn.LayerNorm):
     return uniform(0.5, 1.5) if leaf == "weight" else normal(0.1)
   if isinstance(module, nn.Embedding):
-    return normal(1.0)
+    return normal(1.0 / getattr(model.config, "embedding_multiplier", 1.0))
   if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv3d)):
     if leaf == "bias":
       return normal(0.2)
     fan_in = math.prod(shape[1:])
-    scale = 2.0 if module_name.endswith("lm_head") else 1.0  # logits with a spread of a few units
+    # logits (after Granite's division by logits_scaling) with a spread of a few units
+    scale = 2.0 * getattr(model.config, "logits_scaling", 1.0) if module_name.endswith("lm_head") else 1.0
     return normal(scale / math.sqrt(fan_in))
   if kind.endswith("GatedDeltaNet"):
     if leaf == "A_log":  # decay exp(-A · softplus(a + dt_bias)) between ~0.5 and ~0.97
       return torch.log(uniform(0.1, 2.0))
     if leaf == "dt_bias":
       return normal(0.5, -1.0)
-  if kind in ("Mamba2Mixer", "NemotronHMamba2Mixer"):
+  if kind in MAMBA2_MIXERS:
     if leaf == "A_log":
       return torch.log(uniform(1.0, 8.0))
     if leaf == "D":
       return normal(1.0)
     if leaf == "dt_bias":
       return _mamba_dt_bias(shape, gen)
-  if kind.endswith("Router"):  # Qwen3NextTopKRouter, Qwen3_5MoeTopKRouter, NemotronHTopkRouter
+  if kind.endswith("Router"):  # Qwen3NextTopKRouter, Qwen3_5MoeTopKRouter, NemotronHTopkRouter, GraniteMoeHybridTopKRouter
     if leaf == "weight":
       return normal(2.0 / math.sqrt(shape[1]))
     if leaf == "e_score_correction_bias":
@@ -357,6 +404,13 @@ def _summary(config):
           "routed_scaling_factor", "mamba_num_heads", "mamba_head_dim", "num_heads", "ssm_state_size", "state_size",
           "n_groups", "chunk_size", "rope_parameters", "mlp_only_layers", "time_step_min", "time_step_limit",
           "tie_word_embeddings")
+  if text.model_type == "bamba":
+    keys += ("attn_layer_indices", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+             "mamba_chunk_size")
+  if text.model_type == "granitemoehybrid":
+    keys += ("num_local_experts", "shared_intermediate_size", "mamba_n_heads", "mamba_d_head", "mamba_n_groups",
+             "mamba_d_state", "mamba_chunk_size", "embedding_multiplier", "residual_multiplier",
+             "attention_multiplier", "logits_scaling", "position_embedding_type")
   out = {k: getattr(text, k) for k in keys if hasattr(text, k)}
   out["layer_types"] = list(text.layer_types)
   if "time_step_limit" in out:
@@ -403,8 +457,9 @@ def build(name, prompt_list):
             _rel_l2(arrays[f"prefill_logits_{p}_unpatched"], arrays[f"prefill_logits_{p}"]) for p in range(2)],
         greedy_equal_unpatched_vs_reference=[
             bool((arrays[f"greedy_{p}_unpatched"] == arrays[f"greedy_{p}"]).all()) for p in range(2)])
-  if isinstance(model, Mamba2ForCausalLM):
-    limits = {tuple(m.time_step_limit) for m in model.modules() if type(m).__name__ == "Mamba2Mixer"}
+  if isinstance(model, (Mamba2ForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM)):
+    limits = {tuple(m.time_step_limit) for m in model.modules()
+              if type(m).__name__ in ("Mamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")}
     record["dt_limit"] = dict(mixer_time_step_limit=[[str(x) for x in l] for l in limits])
   for p, prompt in enumerate(prompt_list):
     arrays[f"prompt_{p}"] = prompt
