@@ -17,6 +17,7 @@ from replayssm_jax.models import LMConfig, generate, make_model
 from replayssm_jax.models.attention import AttentionConfig
 from replayssm_jax.models.moe import MoEConfig
 from replayssm_jax.serving import Engine, EngineConfig
+from replayssm_jax.serving import engine as engine_module
 
 MAX_PROMPT = 32
 # One pool shape (3 request + 3 prefix slots) and one buffer_len everywhere: every engine in this
@@ -119,7 +120,11 @@ def test_preempt_resume_is_bit_exact(model, tmp_path):
     engine.step()
   resumed = Engine.resume(tmp_path / "ckpt")
   assert not resumed.idle and resumed.outputs()["r3"] == []
+  programs = lambda: [f._cache_size() for f in (engine_module._prefill_jit, engine_module._decode_jit)]
+  compiled = programs()
   assert resumed.run() == expected
+  # with the programs the first engine compiled (restored arrays are committed like the engine's),
+  assert programs() == compiled
   for x, y in zip(jax.tree.leaves(full.cache), jax.tree.leaves(resumed.cache)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

@@ -261,8 +261,11 @@ class Engine:
     if model.config.has_attention and self.max_seq_len < self.max_prompt_len + 1:
       raise ValueError(f"max_seq_len={self.max_seq_len} leaves no room to generate after a prompt "
                        f"of max_prompt_len={self.max_prompt_len} tokens")
-    self._graphdef, self._params = nnx.split(model)
-    self._cache = _cache if _cache is not None else _init_cache(model, config, self.max_seq_len)
+    self._graphdef, params = nnx.split(model)
+    cache = _cache if _cache is not None else _init_cache(model, config, self.max_seq_len)
+    # Committed to their devices, as Orbax restores them: jit keys its programs on commitment, so
+    # a resumed engine reuses the compiled programs instead of compiling them again.
+    self._params, self._cache = _committed(params), _committed(cache)
     self._requests: dict[str, _Request] = {}
     self._waiting: collections.deque = collections.deque()
     self._running: list[str] = []
@@ -611,6 +614,11 @@ class Engine:
     engine._clock_base, engine._t0 = clock, time.perf_counter()
     engine.prefix_lookups, engine.prefix_hits, engine.steps, engine._warned = counters
     return engine
+
+
+def _committed(tree):
+  """Every array of ``tree`` committed to its current sharding (no copy)."""
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
 
 
 def _init_cache(model: LM, config: EngineConfig, max_seq_len: int):
