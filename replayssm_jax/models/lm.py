@@ -8,18 +8,20 @@ explicit cache pytree).
 Mixer_i is a GatedDeltaNet, a Mamba2 or a softmax-attention layer, chosen per layer by
 ``LMConfig.layer_types`` (default: all GatedDeltaNet), or a "parallel" mixer (Falcon-H1): a Mamba2
 and an attention layer on the same normed input, Mixer_i(x) = Mamba2_i(x) + Attention_i(x).
-Qwen3-Next / Qwen3.5, Granite 4.0, Bamba and Falcon-H1 blocks carry a mixer and an MLP (``mixer_mlp=True``; ``mlp_types`` picks a dense SwiGLU or a
-mixture of experts per layer); Mamba2 / Nemotron-H checkpoints have mixer-only blocks
-(``mixer_mlp=False``) and separate MLP-only (``"mlp"``) or MoE-only (``"moe"``) blocks. Dense MLPs
-are SwiGLU (Qwen, Granite, Bamba, Falcon-H1) or relu² (Nemotron-H, ``mlp_act="relu2"``). The three multipliers
-are 1 except in Granite 4.0 checkpoints (muP scalings).
+Qwen3-Next / Qwen3.5, Granite 4.0, Bamba and Falcon-H1 blocks carry a mixer and an MLP
+(``mixer_mlp=True``; ``mlp_types`` picks a dense SwiGLU or a mixture of experts per layer); Mamba2 /
+Nemotron-H checkpoints have mixer-only blocks (``mixer_mlp=False``) and separate MLP-only (``"mlp"``)
+or MoE-only (``"moe"``) blocks. Dense MLPs are SwiGLU (Qwen, Granite, Bamba, Falcon-H1) or relu²
+(Nemotron-H, ``mlp_act="relu2"``). The three multipliers are 1 except in Granite 4.0 checkpoints
+and, the embedding's, Falcon-H1's (muP scalings; Falcon-H1's others are folded into its weights).
 
 The cache (``LMCache``) holds one cache per *mixer*, in block order (``GdnLayerCache``,
 ``Mamba2LayerCache`` or ``AttentionLayerCache``; a parallel block has two consecutive entries, its
-Mamba2 cache then its KV cache: ``LM.mixers`` lists the mixer of each entry), the *one* ``ReplayCursor`` shared by all
-recurrent layers (their rings all have size ``buffer_len``: every decode step makes one plan,
-runs all layers with it and commits once; conventional mode leaves the windows empty) and the
-per-slot sequence lengths ``positions`` that every attention layer's KV cache is indexed by.
+Mamba2 cache then its KV cache: ``LM.mixers`` lists the mixer of each entry), the *one*
+``ReplayCursor`` shared by all recurrent layers (their rings all have size ``buffer_len``: every
+decode step makes one plan, runs all layers with it and commits once; conventional mode leaves the
+windows empty) and the per-slot sequence lengths ``positions`` that every attention layer's KV
+cache is indexed by.
 
 Speculative decoding: ``logits, step = lm.verify(tokens [B, T], cache, slots)`` runs T tokens per
 row (the emitted token, then T-1 drafts) through every layer with one ``num_tokens=T`` plan and
@@ -59,7 +61,7 @@ from replayssm_jax.pallas import common as pallas_common
 
 f32 = jnp.float32
 RECURRENT_TYPES = ("gdn", "mamba2")                 # mixers with a ReplaySSM state
-LAYER_TYPES = RECURRENT_TYPES + ("attention", "parallel")   # mixer layer types ("parallel": Mamba2 + attention)
+LAYER_TYPES = RECURRENT_TYPES + ("attention", "parallel")   # mixer layer types (parallel: Mamba2 + attention)
 BLOCK_TYPES = LAYER_TYPES + ("mlp", "moe")          # every value layer_types accepts (MLP / MoE-only blocks)
 MLP_TYPES = ("dense", "moe")                        # the MLP of a mixer block (mixer_mlp=True)
 MLP_ACTS = ("swiglu", "relu2")
@@ -348,8 +350,8 @@ class Block(nnx.Module):
   """h + Mixer(norm(h)) (if the block has a mixer), then + MLP(norm(h)) (if it has an MLP).
 
   Mixer is GatedDeltaNet ("gdn"), Mamba2 ("mamba2"), Attention ("attention") or both of the last
-  two side by side ("parallel", ``ParallelMixer``); "mlp" / "moe" blocks have no mixer and no cache. The MLP (``LMConfig.block_mlp``) is dense (SwiGLU or relu²)
-  or a mixture of experts.
+  two side by side ("parallel", ``ParallelMixer``); "mlp" / "moe" blocks have no mixer and no cache.
+  The MLP (``LMConfig.block_mlp``) is dense (SwiGLU or relu²) or a mixture of experts.
   """
 
   def __init__(self, config: LMConfig, *, rngs: nnx.Rngs, layer_type: str = "gdn",
