@@ -134,6 +134,8 @@ def model_parts(model) -> list:
   parts, seen = [], {}
   mixer_index = {id(b): i for i, b in enumerate(model.mixer_blocks)}
   for i, b in enumerate(model.blocks):
+    if b.layer_type == "parallel":
+      raise NotImplementedError("model_parts: timing a parallel (Mamba2 + attention) block's parts alone")
     if b.has_mixer:
       kind = "attention" if b.layer_type == "attention" else "recurrent"
       key = (kind, b.layer_type)

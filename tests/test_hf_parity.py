@@ -4,7 +4,9 @@
 For each family — Qwen3.5 (dense, attention every 4th layer), its multimodal wrapper, Qwen3-Next
 (attention + MoE), Qwen3.5-MoE, Nemotron-H (Mamba2, attention, MoE and MLP layers), Mamba2 and
 Granite 4.0 (Mamba2 + attention with MoE and shared MLP, muP multipliers; and its dense variant with
-rotary attention) and Bamba (Mamba2 + attention with partial rotary, SwiGLU MLPs) — the directory loads through ``load_pretrained`` and gives transformers' prefill logits (relative
+rotary attention), Bamba (Mamba2 + attention with partial rotary, SwiGLU MLPs) and Falcon-H1 (Mamba2
+and attention in parallel in every layer, muP multipliers; without and with the Mamba2 norm) — the
+directory loads through ``load_pretrained`` and gives transformers' prefill logits (relative
 L2 <= 1e-5, float32, matmul precision highest) and its 32 greedy tokens, token for token, with
 ReplaySSM, conventional and speculative (3 n-gram drafts) decoding. No torch needed.
 """
@@ -22,7 +24,7 @@ from replayssm_jax.models import generate, load_pretrained
 ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT_DIR / "tests" / "data" / "hf"
 FAMILIES = ("qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_moe", "nemotron_h", "mamba2", "granitemoehybrid",
-            "granitemoehybrid_dense_rope", "bamba")
+            "granitemoehybrid_dense_rope", "bamba", "falcon_h1", "falcon_h1_rms_norm")
 MAX_PROMPT = 16
 
 
@@ -91,14 +93,16 @@ def test_the_fixtures_exercise_what_they_claim(family):
               "nemotron_h": {"mamba2", "attention", "moe", "mlp", "dense", None},
               "mamba2": {"mamba2", None}, "granitemoehybrid": {"mamba2", "attention", "moe"},
               "granitemoehybrid_dense_rope": {"mamba2", "attention", "dense"},
-              "bamba": {"mamba2", "attention", "dense"}}[name]
+              "bamba": {"mamba2", "attention", "dense"}, "falcon_h1": {"parallel", "dense"},
+              "falcon_h1_rms_norm": {"parallel", "dense"}}[name]
   assert kinds == expected
   if name in ("nemotron_h", "mamba2"):
     for b in range(2):
       assert 0.2 <= float(ref[f"dt_below_min_{b}"]) <= 0.8
   granite = name.startswith("granitemoehybrid")
   multipliers = (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling)
-  assert multipliers == ((12.0, 0.22, 8.0) if granite else (1.0, 1.0, 1.0))
+  falcon = name.startswith("falcon_h1")
+  assert multipliers == ((12.0, 0.22, 8.0) if granite else (5.656854249492381, 1.0, 1.0) if falcon else (1.0, 1.0, 1.0))
   if granite:
     a = config.attention
     assert a.logit_scale != a.head_dim ** -0.5
@@ -106,6 +110,11 @@ def test_the_fixtures_exercise_what_they_claim(family):
     assert config.moe is None or not config.moe.shared_expert_gate
   if name == "bamba":
     assert config.attention.rotary_dim == config.attention.head_dim // 2
+  if falcon:   # the whole head turns; head_dim and the Mamba2 width as the config says, not derived
+    a = config.attention
+    assert a.rotary_dim == a.head_dim == (24 if name == "falcon_h1" else 16)
+    assert config.mamba2_num_heads * config.mamba2_head_dim == (96 if name == "falcon_h1" else 64)
+    assert config.mamba2_norm == ("none" if name == "falcon_h1" else "norm_then_gate")
 
 
 def test_nemotron_h_follows_time_step_limit_not_transformers_prefill_clamp():
@@ -267,3 +276,37 @@ def test_vision_tower_is_skipped_with_a_warning(caplog):
   with caplog.at_level("WARNING"):
     load_pretrained(DATA / "qwen3_5_vl", max_prompt_len=MAX_PROMPT)
   assert "skipped the vision tower" in caplog.text
+
+
+def test_falcon_h1_hub_config_loads_the_same_model(tmp_path):
+  """The Hub's Falcon-H1 config.json: top-level rope_theta, no rope_parameters or time_step_limit,
+  and keys transformers does not read (``attn_layer_indices``, ``mamba_use_mlp``)."""
+  def hub_config(cfg):
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg.update(rope_scaling=None, attn_layer_indices=None, mamba_use_mlp=True)
+    cfg.pop("time_step_limit")
+
+  for name in ("falcon_h1", "falcon_h1_rms_norm"):
+    new, new_config = load_pretrained(DATA / name, max_prompt_len=MAX_PROMPT)
+    old, old_config = load_pretrained(_rewrite(tmp_path, name, hub_config), max_prompt_len=MAX_PROMPT)
+    assert old_config == new_config
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda c: c.update(mamba_proj_bias=True), NotImplementedError, "mamba_proj_bias=true"),
+    (lambda c: c.update(projectors_bias=True), NotImplementedError, "projectors_bias=true"),
+    (lambda c: c.update(mlp_bias=True), NotImplementedError, "mlp_bias=true"),
+    (lambda c: c.update(hidden_act="gelu"), NotImplementedError, "hidden_act='gelu'"),
+    (lambda c: c["rope_parameters"].update(rope_type="yarn"), NotImplementedError, "rope_type='yarn'"),
+    (lambda c: c.update(ssm_multipliers=[1.0, 1.0, 1.0, 1.0]), ValueError, r"ssm_multipliers=\[1.0, 1.0, 1.0, 1.0\]; "
+     "expected a list of 5"),
+    (lambda c: c.update(mlp_multipliers=[1.0, 0]), ValueError, "mlp_multipliers"),
+    (lambda c: c.update(key_multiplier=-0.5), ValueError, "key_multiplier=-0.5"),
+    (lambda c: c.update(lm_head_multiplier="0.04"), ValueError, "lm_head_multiplier='0.04'"),
+    (lambda c: c.update(mamba_d_head=10), ValueError, "mamba_d_head=10"),
+    (lambda c: c.pop("num_hidden_layers"), ValueError, "no 'num_hidden_layers'"),
+], ids=["proj-bias", "projectors-bias", "mlp-bias", "activation", "rope", "ssm-multipliers", "mlp-multipliers",
+        "key-multiplier", "multiplier-type", "head-dim", "layers"])
+def test_falcon_h1_configs_the_library_cannot_load(tmp_path, edit, error, match):
+  with pytest.raises(error, match=match):
+    load_pretrained(_rewrite(tmp_path, "falcon_h1", edit))

@@ -268,3 +268,49 @@ def test_multipliers_default_to_identity_round_trip_and_are_validated():
                       ("logits_scaling", float("inf")), ("logits_scaling", True)):
     with pytest.raises(ValueError, match=f"{name}={value!r}; expected a finite float > 0"):
       LMConfig.tiny(**{name: value})
+
+
+def test_parallel_blocks_share_one_input_and_keep_two_cache_entries():
+  """Falcon-H1's parallel block (Mamba2 + attention on one normed input, outputs added): its two
+  caches sit side by side in ``cache.layers``; prefill + decode (replay and conventional), prefill
+  with ``resume``, ``copy_slots``, and ReplaySSM / conventional speculative verify + commit all equal
+  one full prefill; the config survives the JSON round trip (the sum itself is checked against
+  transformers by the Falcon-H1 parity tests)."""
+  import json
+  from replayssm_jax.models.attention import AttentionConfig, AttentionLayerCache
+  from replayssm_jax.models.mamba2 import Mamba2LayerCache
+  attention = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, rotary_dim=8, rope_theta=1e4)
+  config = LMConfig.tiny_mamba2(num_layers=3, layer_types=("parallel", "gdn", "parallel"), attention=attention,
+                                mamba2_norm="norm_then_gate", embedding_multiplier=3.0, max_prompt_len=16)
+  assert LMConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+  model = make_model(config, seed=0)
+  assert [type(m).__name__ for m in model.mixers] == ["Mamba2", "Attention", "GatedDeltaNet", "Mamba2", "Attention"]
+  seq = jnp.asarray(PROMPTS[:1, :12])
+  one, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
+  full, _ = model.prefill(seq, model.init_cache(2, max_len=32), one, jnp.array([12], jnp.int32))
+  close = lambda a, b, what: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=ATOL, rtol=0, err_msg=what)
+
+  def head(t, max_draft=0, verify_stacks=False):   # slot 1 holds the first t tokens
+    cache = model.init_cache(2, buffer_len=4, max_len=32, max_draft=max_draft, verify_stacks=verify_stacks)
+    return model.prefill(seq[:, :t], cache, one, jnp.array([t], jnp.int32))[1]
+
+  cache = head(5)
+  assert [type(lc) for lc in cache.layers] == [Mamba2LayerCache, AttentionLayerCache, type(cache.layers[2]),
+                                              Mamba2LayerCache, AttentionLayerCache]
+  for replay in (True, False):
+    c = head(5)
+    for t in range(5, 12):
+      logits, c = model.decode(seq[:, t], c, one, replay=replay)
+      close(logits[0], full[0, t], f"decode token {t}, replay={replay}")
+  logits, c = model.prefill(seq[:, 5:], head(5), one, jnp.array([7], jnp.int32), resume=True)
+  close(logits[0], full[0, 5:], "prefill resume")
+  c = model.copy_slots(head(5), jnp.array([1], jnp.int32), zero)
+  logits, _ = model.prefill(seq[:, 5:], c, zero, jnp.array([7], jnp.int32), resume=True)
+  close(logits[0], full[0, 5:], "resume on a copied slot")
+  for replay in (True, False):   # verify 4 tokens, accept 2, then verify the rest
+    c = head(5, max_draft=3, verify_stacks=not replay)
+    logits, step = model.verify(seq[:, 5:9], c, one, replay=replay)
+    close(logits[0], full[0, 5:9], f"verify, replay={replay}")
+    c = model.commit(step, jnp.array([2], jnp.int32))
+    logits, step = model.verify(seq[:, 7:11], c, one, replay=replay)
+    close(logits[0], full[0, 7:11], f"verify after a rollback, replay={replay}")

@@ -5,9 +5,10 @@ the flag only takes effect before JAX creates its CPU backend, which the test se
 pytest-xdist worker) has already done, and changing the device count in-process would disturb
 every other test. The subprocess imports this module and calls ``_check``.
 
-For two hybrid stacks — GatedDeltaNet and Mamba2 layers; and GatedDeltaNet, attention, Mamba2 and
+For three hybrid stacks — GatedDeltaNet and Mamba2 layers; and GatedDeltaNet, attention, Mamba2 and
 a mixture of experts (in a mixer block and in an MoE-only block), with Granite's multipliers (embedding,
-residual, attention logits, logits scaling), heads, KV heads and expert widths split 4 ways: prefill, then 10 decode steps with buffer_len 4 (natural flushes) plus one forced
+residual, attention logits, logits scaling); and Falcon-H1's parallel Mamba2 + attention block beside a
+GatedDeltaNet layer — heads, KV heads and expert widths split 4 ways: prefill, then 10 decode steps with buffer_len 4 (natural flushes) plus one forced
 flush, in replay and conventional mode: sharded logits == unsharded logits (float32, up to the
 psum's summation order), greedy tokens identical, and every cache array (checkpoints, rings, conv
 states, KV caches, cursor, positions) equal after unsharding.
@@ -45,6 +46,9 @@ def _check():
                                     mlp_types=("moe", "dense", "dense", "dense"), attention=attention,
                                     moe=moe, embedding_multiplier=3.0, residual_multiplier=0.5,
                                     logits_scaling=2.0, **heads))
+  _check_model(LMConfig.tiny_mamba2(num_layers=2, layer_types=("parallel", "gdn"), mamba2_norm="norm_then_gate",
+                                    attention=AttentionConfig(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=8),
+                                    **heads))
   print("sharding checks passed")
 
 

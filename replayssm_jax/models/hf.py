@@ -97,6 +97,38 @@ followed by a SwiGLU MLP; prefix ``model.``, as Granite 4.0 but without multipli
 attention logits scaled by head_dim^-1/2 with a rotary embedding of ``partial_rotary_factor``
 (0.5 when absent, as transformers sets it) of each head.
 
+**Falcon-H1** (``model_type`` ``falcon_h1``): every layer is a parallel block (``layer_types``
+"parallel"): x = norm(h), h + Mamba2(x) + attention(x), then h + SwiGLU(norm(h)); prefix
+``model.``. Mamba2 of I = ``mamba_d_ssm`` (else ``mamba_expand`` · D) channels, its output norm
+from ``mamba_rms_norm`` / ``mamba_norm_before_gate`` (none; rmsnorm_g(y)·w·silu(z); or Mamba2's
+gated norm); attention with a rotary embedding of the whole head (``head_dim``, ``rope_type``
+"default"), logits scaled by head_dim^-1/2:
+
+====================================================  ===========================================
+``embed_tokens.weight`` [V, D]                          ``embed.embedding`` (× ``embedding_multiplier`` at run time)
+``layers.{i}.input_layernorm.weight`` [D]               ``blocks[i].mixer_norm.weight``
+``layers.{i}.pre_ff_layernorm.weight`` [D]              ``blocks[i].mlp_norm.weight``
+``layers.{i}.mamba.in_proj.weight`` [I + C + H, D]      ``blocks[i].mixer.mamba2.in_proj.kernel`` (z | x | B | C | dt, transposed;
+                                                          block j × ``ssm_in_multiplier`` · ``ssm_multipliers[j]``)
+``layers.{i}.mamba.{conv1d,A_log,D,dt_bias}.*``          ``blocks[i].mixer.mamba2.*`` (as Mamba2's ``mixer.*``; conv bias if ``mamba_conv_bias``)
+``layers.{i}.mamba.norm.weight`` [I]                    ``blocks[i].mixer.mamba2.norm_weight`` (only if ``mamba_rms_norm``)
+``layers.{i}.mamba.out_proj.weight`` [D, I]             ``blocks[i].mixer.mamba2.out_proj.kernel`` (transposed, × ``ssm_out_multiplier``)
+``layers.{i}.self_attn.{q,v}_proj.weight``              ``blocks[i].mixer.attention.{q,v}_proj.kernel`` (× ``attention_in_multiplier``)
+``layers.{i}.self_attn.k_proj.weight``                  ``blocks[i].mixer.attention.k_proj.kernel`` (× ``attention_in_multiplier`` · ``key_multiplier``)
+``layers.{i}.self_attn.o_proj.weight``                  ``blocks[i].mixer.attention.o_proj.kernel`` (× ``attention_out_multiplier``)
+``layers.{i}.feed_forward.{gate,up}_proj.weight`` [I', D]  ``blocks[i].mlp.gate_up.kernel`` (gate columns × ``mlp_multipliers[0]``)
+``layers.{i}.feed_forward.down_proj.weight`` [D, I']   ``blocks[i].mlp.down.kernel`` (× ``mlp_multipliers[1]``)
+``final_layernorm.weight`` [D]                          ``final_norm.weight``
+``lm_head.weight`` [V, D]                               ``head.kernel`` (transposed, × ``lm_head_multiplier``; the embedding if tied and absent)
+====================================================  ===========================================
+
+Falcon-H1's multipliers other than ``embedding_multiplier`` each scale the output of one linear map
+before anything nonlinear reads it (an input multiplier scales every projection of that input), so
+they are folded into the converted weights (and the biases of the maps whose outputs they scale:
+``key_multiplier`` and ``attention_out_multiplier`` scale the k / o biases, input multipliers none):
+``ssm_multipliers`` scale z, x, B, C, dt before the silu gate, the conv and the softplus, the
+``mlp_multipliers[0]`` the gate before its silu, the rest an output. Exact up to float rounding.
+
 Here I = H·P, C = I + 2·G·N (Mamba2) or 2·Hk·K + Hv·V (GDN), S = ``shared_intermediate_size``.
 Ignored tensors: ``mtp.*`` (multi-token-prediction heads) and the vision tower (``visual.*``,
 ``model.visual.*``).
@@ -105,13 +137,13 @@ Mamba2 step size: Δ = softplus(dt + dt_bias) clipped to ``time_step_limit`` ((0
 checkpoints, so nothing is clipped), as NVIDIA's reference implementation does, in prefill and
 decode alike. transformers' Nemotron-H instead clamps Δ at ``time_step_min`` (an initialisation
 parameter) in its chunked prefill and not in its decode step; see the README. transformers' Granite
-4.0 and Bamba clamp at ``time_step_limit`` in their prefill and not in their decode step, which
-agree for the released (0, ∞).
+4.0, Bamba and Falcon-H1 clamp at ``time_step_limit`` in their prefill and not in their decode step,
+which agree for the released (0, ∞).
 
 Errors: a tensor the mapping does not know, a missing tensor, or a wrong shape raise
 ``ValueError`` naming the tensor, its shape and the expected one; a malformed config.json raises
 ``ValueError`` naming the key. Valid checkpoints with parts this library does not implement
-(other layer kinds, activations, rope types, in_proj/out_proj biases) raise
+(other layer kinds, activations, rope types, Mamba2 in_proj/out_proj biases, MLP biases) raise
 ``NotImplementedError`` naming the layer and the feature. Decode mode (replay or conventional) is
 not a property of the weights: choose it when generating (``generate(..., replay=...)``,
 ``serving.EngineConfig(replay=...)``).
@@ -244,7 +276,7 @@ def _float(hf: dict, key: str, default: float) -> float:
 # ---- config --------------------------------------------------------------------------------
 
 def _plan(hf: dict, *, dtype, max_prompt_len):
-  """("qwen" | "mamba" | "granite" | "bamba", LMConfig) from config.json."""
+  """("qwen" | "mamba" | "granite" | "bamba" | "falcon", LMConfig) from config.json."""
   model_type = hf.get("model_type")
   text = hf.get("text_config", hf)
   if model_type in QWEN_TYPES or (isinstance(text, dict) and "linear_num_value_heads" in text):
@@ -259,10 +291,12 @@ def _plan(hf: dict, *, dtype, max_prompt_len):
     return _plan_granite(hf, dtype, max_prompt_len)
   if model_type == "bamba":
     return _plan_bamba(hf, dtype, max_prompt_len)
+  if model_type == "falcon_h1":
+    return _plan_falcon(hf, dtype, max_prompt_len)
   raise NotImplementedError(
       f"config.json model_type={model_type!r} is not supported; load_pretrained reads Qwen3-Next / "
-      f"Qwen3.5 / Qwen3.5-MoE ({', '.join(QWEN_TYPES)}), mamba2, nemotron_h, granitemoehybrid and "
-      f"bamba checkpoints")
+      f"Qwen3.5 / Qwen3.5-MoE ({', '.join(QWEN_TYPES)}), mamba2, nemotron_h, granitemoehybrid, "
+      f"bamba and falcon_h1 checkpoints")
 
 
 def _layer_kinds(names, table, what):
@@ -412,15 +446,17 @@ def _plan_mamba(hf, dtype, max_prompt_len):
 
 
 def _mamba_shape(hf: dict, hidden: int) -> dict:
-  """Mamba2 LMConfig fields from the ``mamba_*`` keys of a Granite 4.0 / Bamba config."""
-  heads, inner = _int(hf, "mamba_n_heads"), _int(hf, "mamba_expand", 2) * hidden
+  """Mamba2 LMConfig fields from the ``mamba_*`` keys of a Granite 4.0 / Bamba / Falcon-H1 config
+  (Falcon-H1's ``mamba_d_ssm``, when set, is the inner width instead of mamba_expand · hidden_size)."""
+  heads = _int(hf, "mamba_n_heads")
+  inner = _int(hf, "mamba_d_ssm") if hf.get("mamba_d_ssm") is not None else _int(hf, "mamba_expand", 2) * hidden
   head_dim = hf.get("mamba_d_head", "auto")
   head_dim = inner // heads if head_dim == "auto" else head_dim
   if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim * heads != inner:
     raise ValueError(f"config.json mamba_d_head={hf.get('mamba_d_head')!r}, mamba_n_heads={heads}; expected "
-                     f"mamba_n_heads · mamba_d_head = mamba_expand · hidden_size = {inner}")
+                     f"mamba_n_heads · mamba_d_head = the Mamba2 inner width {inner}")
   if hf.get("mamba_proj_bias"):
-    raise NotImplementedError("mamba_proj_bias=true (Mamba2 in_proj/out_proj biases) is not implemented")
+    raise NotImplementedError("mamba_proj_bias=true (Mamba2 in_proj biases) is not implemented")
   return dict(mamba2_num_heads=heads, mamba2_head_dim=head_dim, mamba2_num_groups=_int(hf, "mamba_n_groups", 1),
               mamba2_state_dim=_int(hf, "mamba_d_state"), conv_kernel=_int(hf, "mamba_d_conv", 4),
               mamba2_dt_limit=_time_step_limit(hf))
@@ -499,6 +535,55 @@ def _plan_bamba(hf, dtype, max_prompt_len):
   return "bamba", config
 
 
+def _multipliers(hf: dict, key: str, n: int) -> list:
+  """A list of n positive finite numbers (Falcon-H1's ``ssm_multipliers`` / ``mlp_multipliers``)."""
+  values = _get(hf, key, [1.0] * n)
+  if (not isinstance(values, list) or len(values) != n
+      or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in values)):
+    raise ValueError(f"config.json {key}={values!r}; expected a list of {n} finite numbers > 0")
+  return [float(v) for v in values]
+
+
+def _falcon_multipliers(hf: dict) -> dict:
+  """The Falcon-H1 multipliers folded into the weights (see the module docstring)."""
+  scalars = ("lm_head_multiplier", "key_multiplier", "attention_in_multiplier", "attention_out_multiplier",
+             "ssm_in_multiplier", "ssm_out_multiplier")
+  return ({k: _float(hf, k, 1.0) for k in scalars}
+          | {"ssm_multipliers": _multipliers(hf, "ssm_multipliers", 5),
+             "mlp_multipliers": _multipliers(hf, "mlp_multipliers", 2)})
+
+
+def _plan_falcon(hf, dtype, max_prompt_len):
+  """Falcon-H1 (FalconH1ForCausalLM): x = norm(h), h + Mamba2(x) + attention(x) in every layer, then
+  h + SwiGLU(norm(h)); the muP multipliers folded into the weights by ``_convert``."""
+  n = _int(hf, "num_hidden_layers")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise NotImplementedError(f"hidden_act={hf['hidden_act']!r}; only silu is implemented")
+  if hf.get("mlp_bias"):
+    raise NotImplementedError("mlp_bias=true (MLP projection biases) is not implemented")
+  if hf.get("projectors_bias"):
+    raise NotImplementedError("projectors_bias=true (the Mamba2 out_proj bias) is not implemented")
+  _falcon_multipliers(hf)  # validated here, applied by _convert
+  d = _int(hf, "hidden_size")
+  heads = _int(hf, "num_attention_heads")
+  head_dim = _int(hf, "head_dim", d // heads)
+  # FalconH1RotaryEmbedding turns the whole head (partial_rotary_factor is not read).
+  rotary, theta = _rope(hf, head_dim, default_factor=None)
+  attention = AttentionConfig(num_heads=heads, num_kv_heads=_int(hf, "num_key_value_heads", heads),
+                              head_dim=head_dim, rotary_dim=rotary, rope_theta=theta,
+                              bias=bool(hf.get("attention_bias", False)))
+  if not hf.get("mamba_rms_norm", False):
+    norm = "none"
+  else:
+    norm = "norm_then_gate" if hf.get("mamba_norm_before_gate", True) else "gate_then_norm"
+  config = LMConfig(
+      vocab_size=_int(hf, "vocab_size"), hidden_size=d, num_layers=n, intermediate_size=_int(hf, "intermediate_size"),
+      rms_eps=float(_get(hf, "rms_norm_eps", 1e-5)), dtype=dtype, max_prompt_len=max_prompt_len,
+      layer_types=("parallel",) * n, attention=attention, mamba2_norm=norm,
+      embedding_multiplier=_float(hf, "embedding_multiplier", 1.0), **_mamba_shape(hf, d), **_NOT_USED)
+  return "falcon", config
+
+
 # ---- tensors -------------------------------------------------------------------------------
 
 class _Tensors:
@@ -538,7 +623,7 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
   if family != "mamba":
     prefix = "model.language_model." if t.has("model.language_model.embed_tokens.weight") else "model."
     embed = prefix + "embed_tokens.weight"
-    final = prefix + ("final_layernorm.weight" if family == "bamba" else "norm.weight")
+    final = prefix + ("final_layernorm.weight" if family in ("bamba", "falcon") else "norm.weight")
   else:
     prefix = "backbone."
     embed = prefix + ("embedding.weight" if t.has(prefix + "embedding.weight") else "embeddings.weight")
@@ -551,8 +636,15 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
   else:
     out["head.kernel"] = out["embed.embedding"].T
 
+  if family == "falcon":
+    mult = _falcon_multipliers(hf)
+    out["head.kernel"] = out["head.kernel"] * mult["lm_head_multiplier"]
+
   for i, kind in enumerate(c.layer_types):
     blk, layer = f"blocks.{i}.", f"{prefix}layers.{i}."
+    if family == "falcon":
+      out.update(_falcon_block(t, layer, blk, c, mult, hf.get("mamba_conv_bias", True)))
+      continue
     if family in ("granite", "bamba"):
       out.update(_ibm_block(t, layer, blk, kind, c, family, hf.get("mamba_conv_bias", True)))
       continue
@@ -605,6 +697,36 @@ def _ibm_block(t: _Tensors, layer: str, blk: str, kind: str, c: LMConfig, family
     out[blk + "mlp.gate_up.kernel"] = t.take(layer + "shared_mlp.input_linear.weight", (2 * s, d),
                                              what="(gate rows | up rows)").T
     out[blk + "mlp.down.kernel"] = t.take(layer + "shared_mlp.output_linear.weight", (d, s)).T
+  return out
+
+
+def _falcon_block(t: _Tensors, layer: str, blk: str, c: LMConfig, mult: dict, conv_bias: bool) -> dict:
+  """One Falcon-H1 decoder layer, its multipliers folded into the weights (module docstring)."""
+  d, m = c.hidden_size, c.mamba2_mixer()
+  out = {blk + "mixer_norm.weight": t.take(layer + "input_layernorm.weight", (d,)),
+         blk + "mlp_norm.weight": t.take(layer + "pre_ff_layernorm.weight", (d,))}
+  ssm = _mamba2(t, layer + "mamba.", blk + "mixer.mamba2.", c, conv_bias)
+  gn = m.num_groups * m.state_dim
+  # Columns z | x | B | C | dt of in_proj (compute_mup_vector's layout), each scaled by its multiplier.
+  scale = np.repeat(np.float32(mult["ssm_in_multiplier"]) * np.asarray(mult["ssm_multipliers"], np.float32),
+                    [m.inner_dim, m.inner_dim, gn, gn, m.num_heads])
+  ssm[blk + "mixer.mamba2.in_proj.kernel"] = ssm[blk + "mixer.mamba2.in_proj.kernel"] * scale
+  ssm[blk + "mixer.mamba2.out_proj.kernel"] = ssm[blk + "mixer.mamba2.out_proj.kernel"] * mult["ssm_out_multiplier"]
+  out.update(ssm)
+  attn = _attention(t, layer + "self_attn.", blk + "mixer.attention.", c)
+  a_in, key = mult["attention_in_multiplier"], mult["key_multiplier"]
+  for name, factor in (("q_proj.kernel", a_in), ("k_proj.kernel", a_in * key), ("k_proj.bias", key),
+                       ("v_proj.kernel", a_in), ("o_proj.kernel", mult["attention_out_multiplier"]),
+                       ("o_proj.bias", mult["attention_out_multiplier"])):
+    if blk + "mixer.attention." + name in attn:
+      attn[blk + "mixer.attention." + name] = attn[blk + "mixer.attention." + name] * np.float32(factor)
+  out.update(attn)
+  mlp = _swiglu(t, layer + "feed_forward.", blk + "mlp.", c)
+  gate_up, i = mlp[blk + "mlp.gate_up.kernel"], c.intermediate_size
+  mlp[blk + "mlp.gate_up.kernel"] = np.concatenate([gate_up[:, :i] * np.float32(mult["mlp_multipliers"][0]),
+                                                    gate_up[:, i:]], axis=1)
+  mlp[blk + "mlp.down.kernel"] = mlp[blk + "mlp.down.kernel"] * np.float32(mult["mlp_multipliers"][1])
+  out.update(mlp)
   return out
 
 
@@ -677,9 +799,8 @@ def _mamba2(t: _Tensors, src: str, dst: str, c: LMConfig, conv_bias: bool) -> di
       dst + "A_log": t.take(src + "A_log", (h,)),
       dst + "D": t.take(src + "D", (h,)),
       dst + "dt_bias": t.take(src + "dt_bias", (h,)),
-      dst + "norm_weight": t.take(src + "norm.weight", (m.inner_dim,)),
       dst + "out_proj.kernel": t.take(src + "out_proj.weight", (d, m.inner_dim)).T,
-  }
+  } | ({} if m.norm == "none" else {dst + "norm_weight": t.take(src + "norm.weight", (m.inner_dim,))})
 
 
 def _assign(model: LM, target: str, value: np.ndarray) -> None:

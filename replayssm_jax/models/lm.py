@@ -6,18 +6,22 @@ explicit cache pytree).
     logits = head(rmsnorm(h)) / logits_scaling
 
 Mixer_i is a GatedDeltaNet, a Mamba2 or a softmax-attention layer, chosen per layer by
-``LMConfig.layer_types`` (default: all GatedDeltaNet). Qwen3-Next / Qwen3.5, Granite 4.0 and Bamba
-blocks carry a mixer and an MLP (``mixer_mlp=True``; ``mlp_types`` picks a dense SwiGLU or a
-mixture of experts per layer); Mamba2 / Nemotron-H checkpoints have mixer-only blocks
-(``mixer_mlp=False``) and separate MLP-only (``"mlp"``) or MoE-only (``"moe"``) blocks. Dense MLPs
-are SwiGLU (Qwen, Granite, Bamba) or relu² (Nemotron-H, ``mlp_act="relu2"``). The three multipliers
-are 1 except in Granite 4.0 checkpoints (muP scalings).
+``LMConfig.layer_types`` (default: all GatedDeltaNet), or a "parallel" mixer (Falcon-H1): a Mamba2
+and an attention layer on the same normed input, Mixer_i(x) = Mamba2_i(x) + Attention_i(x).
+Qwen3-Next / Qwen3.5, Granite 4.0, Bamba and Falcon-H1 blocks carry a mixer and an MLP
+(``mixer_mlp=True``; ``mlp_types`` picks a dense SwiGLU or a mixture of experts per layer); Mamba2 /
+Nemotron-H checkpoints have mixer-only blocks (``mixer_mlp=False``) and separate MLP-only (``"mlp"``)
+or MoE-only (``"moe"``) blocks. Dense MLPs are SwiGLU (Qwen, Granite, Bamba, Falcon-H1) or relu²
+(Nemotron-H, ``mlp_act="relu2"``). The three multipliers are 1 except in Granite 4.0 checkpoints
+and, the embedding's, Falcon-H1's (muP scalings; Falcon-H1's others are folded into its weights).
 
-The cache (``LMCache``) holds one cache per *mixer* block, in block order (``GdnLayerCache``,
-``Mamba2LayerCache`` or ``AttentionLayerCache``), the *one* ``ReplayCursor`` shared by all
-recurrent layers (their rings all have size ``buffer_len``: every decode step makes one plan,
-runs all layers with it and commits once; conventional mode leaves the windows empty) and the
-per-slot sequence lengths ``positions`` that every attention layer's KV cache is indexed by.
+The cache (``LMCache``) holds one cache per *mixer*, in block order (``GdnLayerCache``,
+``Mamba2LayerCache`` or ``AttentionLayerCache``; a parallel block has two consecutive entries, its
+Mamba2 cache then its KV cache: ``LM.mixers`` lists the mixer of each entry), the *one*
+``ReplayCursor`` shared by all recurrent layers (their rings all have size ``buffer_len``: every
+decode step makes one plan, runs all layers with it and commits once; conventional mode leaves the
+windows empty) and the per-slot sequence lengths ``positions`` that every attention layer's KV
+cache is indexed by.
 
 Speculative decoding: ``logits, step = lm.verify(tokens [B, T], cache, slots)`` runs T tokens per
 row (the emitted token, then T-1 drafts) through every layer with one ``num_tokens=T`` plan and
@@ -57,7 +61,7 @@ from replayssm_jax.pallas import common as pallas_common
 
 f32 = jnp.float32
 RECURRENT_TYPES = ("gdn", "mamba2")                 # mixers with a ReplaySSM state
-LAYER_TYPES = RECURRENT_TYPES + ("attention",)      # mixer layer types
+LAYER_TYPES = RECURRENT_TYPES + ("attention", "parallel")   # mixer layer types (parallel: Mamba2 + attention)
 BLOCK_TYPES = LAYER_TYPES + ("mlp", "moe")          # every value layer_types accepts (MLP / MoE-only blocks)
 MLP_TYPES = ("dense", "moe")                        # the MLP of a mixer block (mixer_mlp=True)
 MLP_ACTS = ("swiglu", "relu2")
@@ -72,12 +76,14 @@ class LMConfig:
     hidden_size: D.
     num_layers: number of (mixer, MLP) blocks.
     num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel: GatedDeltaNet shape.
-    layer_types: one of "gdn" / "mamba2" / "attention" / "mlp" / "moe" per layer (None = all
-      "gdn"); "mlp" and "moe" are MLP-only blocks (h + MLP(rmsnorm(h)), no cache) with a dense
-      MLP or a mixture of experts.
+    layer_types: one of "gdn" / "mamba2" / "attention" / "parallel" / "mlp" / "moe" per layer
+      (None = all "gdn"); "parallel" is a Mamba2 and an attention mixer side by side, their outputs
+      added (Falcon-H1); "mlp" and "moe" are MLP-only blocks (h + MLP(rmsnorm(h)), no cache) with a
+      dense MLP or a mixture of experts.
     mamba2_num_heads, mamba2_head_dim, mamba2_num_groups, mamba2_state_dim: Mamba2 shape (H, P,
       G, N; the conv kernel is ``conv_kernel``), used by "mamba2" layers.
     mamba2_dt_limit: (lo, hi) clip of the Mamba2 step size Δ (``Mamba2Config.dt_limit``).
+    mamba2_norm: the Mamba2 output norm (``Mamba2Config.norm``; Falcon-H1 checkpoints may differ).
     intermediate_size: SwiGLU hidden width.
     max_prompt_len: longest prompt ``generate`` accepts (prompts are padded to it, so every
       prompt length shares one compilation).
@@ -88,7 +94,8 @@ class LMConfig:
     mlp_act: "swiglu" (gate, up, down) or "relu2" (up, down; down(relu(up(x))²), Nemotron-H).
     norm_offset: the block and final RMSNorms scale by ``norm_offset + w`` (1.0 for the
       zero-centred norms of Qwen3-Next / Qwen3.5 checkpoints; 0.0 = plain ``w``).
-    attention: the AttentionConfig of every "attention" layer (required when there is one).
+    attention: the AttentionConfig of every "attention" and "parallel" layer (required when there
+      is one).
     moe: the MoEConfig of every mixture-of-experts MLP (required when there is one; its
       hidden_size and dtype must be the model's).
     mlp_types: with ``mixer_mlp``, "dense" or "moe" per layer (None = all "dense"); entries of
@@ -115,6 +122,7 @@ class LMConfig:
   mamba2_num_groups: int = 1
   mamba2_state_dim: int = 16
   mamba2_dt_limit: tuple = (0.0, math.inf)
+  mamba2_norm: str = "gate_then_norm"
   mixer_mlp: bool = True
   mlp_act: str = "swiglu"
   norm_offset: float = 0.0
@@ -150,10 +158,10 @@ class LMConfig:
       object.__setattr__(self, name, float(value))
     object.__setattr__(self, "layer_types", types)
     object.__setattr__(self, "dtype", self.mixer().dtype)  # validates the mixer fields too
-    if "mamba2" in types:
+    if "mamba2" in types or "parallel" in types:
       self.mamba2_mixer()  # validates the Mamba2 fields
-    if "attention" in types and not isinstance(self.attention, AttentionConfig):
-      raise ValueError(f"layer_types has 'attention' layers but attention={self.attention!r}; "
+    if self.has_attention and not isinstance(self.attention, AttentionConfig):
+      raise ValueError(f"layer_types has 'attention' or 'parallel' layers but attention={self.attention!r}; "
                        f"expected an AttentionConfig")
     if self.attention is not None and not isinstance(self.attention, AttentionConfig):
       raise ValueError(f"attention={self.attention!r}; expected None or an AttentionConfig")
@@ -227,7 +235,7 @@ class LMConfig:
 
   @property
   def has_attention(self) -> bool:
-    return "attention" in self.layer_types
+    return "attention" in self.layer_types or "parallel" in self.layer_types
 
   def mixer(self) -> GatedDeltaNetConfig:
     return GatedDeltaNetConfig(hidden_size=self.hidden_size, num_k_heads=self.num_k_heads,
@@ -239,7 +247,8 @@ class LMConfig:
     return Mamba2Config(hidden_size=self.hidden_size, num_heads=self.mamba2_num_heads,
                         head_dim=self.mamba2_head_dim, num_groups=self.mamba2_num_groups,
                         state_dim=self.mamba2_state_dim, conv_kernel=self.conv_kernel,
-                        rms_eps=self.rms_eps, dt_limit=self.mamba2_dt_limit, dtype=self.dtype)
+                        rms_eps=self.rms_eps, dt_limit=self.mamba2_dt_limit, norm=self.mamba2_norm,
+                        dtype=self.dtype)
 
 
 @flax.struct.dataclass
@@ -247,14 +256,14 @@ class LMCache:
   """Decode cache of the LM: per-layer caches and the shared cursor.
 
   Attributes:
-    layers: tuple with one cache per mixer block (GdnLayerCache, Mamba2LayerCache or
-      AttentionLayerCache, by layer type).
+    layers: tuple with one cache per mixer (``LM.mixers``): GdnLayerCache, Mamba2LayerCache or
+      AttentionLayerCache, by layer type; a parallel block's Mamba2 cache, then its KV cache.
     cursor: the ReplayCursor of every slot, shared by all recurrent layers.
     positions: int32[N] tokens in each slot's sequence (the position of its next token), shared
       by all attention layers: KV entries at positions >= positions[n] (rejected drafts, an
       earlier sequence's tail) are not part of the sequence and get zero attention weight.
     stacks: None, or (``init_cache(verify_stacks=True)``, conventional speculative verify) one
-      entry per mixer block: the state stack [N, T_max, ...] of a recurrent layer (slot n's state
+      entry per entry of ``layers``: the state stack [N, T_max, ...] of a recurrent layer (slot n's state
       is ``stacks[i][n, read_index[n]]``; the layer's ``bufs.state`` is then only prefill's
       output), None for attention.
     read_index: None, or int32[N] with ``stacks``: the stack entry holding each slot's state.
@@ -274,7 +283,7 @@ class VerifyStep:
     cache: LMCache with the T tokens in every layer's ring and KV cache; cursor, positions and
       conv states unchanged.
     plan: the shared ``num_tokens=T`` ReplayPlan of the step.
-    windows: tuple with one entry per mixer block: the conv window [B, W-1+T, C] of a recurrent
+    windows: tuple with one entry per entry of ``cache.layers``: the conv window [B, W-1+T, C] of a recurrent
       layer (its stored inputs, then the T tokens' pre-conv inputs), None for attention.
     replay: static; False for a conventional verify (the stacks hold the T states; commit moves
       ``read_index``, not the cursor).
@@ -326,12 +335,23 @@ class ReluSquaredMLP(nnx.Module):
     return self.down(jnp.square(jax.nn.relu(self.up(x))))
 
 
+class ParallelMixer(nnx.Module):
+  """Falcon-H1's mixer: a Mamba2 (``mamba2``) and an attention layer (``attention``) that read the
+  same input; the block adds their outputs. Each keeps its own cache entry (``Block.mixers``)."""
+
+  def __init__(self, config: LMConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.mamba2 = Mamba2(c.mamba2_mixer(), rngs=rngs)
+    self.attention = Attention(c.attention, hidden_size=c.hidden_size, dtype=c.dtype, rms_eps=c.rms_eps,
+                               rngs=rngs)
+
+
 class Block(nnx.Module):
   """h + Mixer(norm(h)) (if the block has a mixer), then + MLP(norm(h)) (if it has an MLP).
 
-  Mixer is GatedDeltaNet ("gdn"), Mamba2 ("mamba2") or Attention ("attention"); "mlp" / "moe"
-  blocks have no mixer and no cache. The MLP (``LMConfig.block_mlp``) is dense (SwiGLU or relu²)
-  or a mixture of experts.
+  Mixer is GatedDeltaNet ("gdn"), Mamba2 ("mamba2"), Attention ("attention") or both of the last
+  two side by side ("parallel", ``ParallelMixer``); "mlp" / "moe" blocks have no mixer and no cache.
+  The MLP (``LMConfig.block_mlp``) is dense (SwiGLU or relu²) or a mixture of experts.
   """
 
   def __init__(self, config: LMConfig, *, rngs: nnx.Rngs, layer_type: str = "gdn",
@@ -345,6 +365,8 @@ class Block(nnx.Module):
       self.mixer_norm = norm()
       if layer_type == "mamba2":
         self.mixer = Mamba2(c.mamba2_mixer(), rngs=rngs)
+      elif layer_type == "parallel":
+        self.mixer = ParallelMixer(c, rngs=rngs)
       elif layer_type == "attention":
         self.mixer = Attention(c.attention, hidden_size=c.hidden_size, dtype=c.dtype,
                                rms_eps=c.rms_eps, rngs=rngs)
@@ -356,6 +378,14 @@ class Block(nnx.Module):
       mlp = SwiGLU if c.mlp_act == "swiglu" else ReluSquaredMLP
       self.mlp_norm = norm()
       self.mlp = mlp(c.hidden_size, c.intermediate_size, dtype=c.dtype, rngs=rngs)
+
+  @property
+  def mixers(self) -> tuple:
+    """The mixer layers of the block, one per cache entry: (), (mixer,), or a parallel block's
+    (Mamba2, Attention)."""
+    if not self.has_mixer:
+      return ()
+    return (self.mixer.mamba2, self.mixer.attention) if self.layer_type == "parallel" else (self.mixer,)
 
 
 class LM(nnx.Module):
@@ -377,8 +407,13 @@ class LM(nnx.Module):
 
   @property
   def mixer_blocks(self) -> list:
-    """The blocks that have a mixer (and a cache entry), in order."""
+    """The blocks that have a mixer, in order."""
     return [b for b in self.blocks if b.has_mixer]
+
+  @property
+  def mixers(self) -> list:
+    """The mixer layers in cache order: ``cache.layers[i]`` is ``mixers[i]``'s cache."""
+    return [m for b in self.blocks for m in b.mixers]
 
   def init_cache(self, num_slots: int, *, buffer_len: int = 16, max_draft: int = 0,
                  state_dtype=jnp.float32, ring_dtype=None, max_len: int | None = None,
@@ -402,11 +437,11 @@ class LM(nnx.Module):
                        "capacity in tokens per slot (prompt + generated tokens + drafts)")
     cursor = ReplayCursor.create(num_slots, buffer_len=buffer_len, max_draft=max_draft)
     layers = []
-    for b in self.mixer_blocks:
-      if b.layer_type == "attention":
-        layers.append(b.mixer.init_cache(num_slots, max_len, dtype=kv_dtype))
+    for m in self.mixers:
+      if isinstance(m, Attention):
+        layers.append(m.init_cache(num_slots, max_len, dtype=kv_dtype))
       else:
-        layers.append(b.mixer.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype))
+        layers.append(m.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype))
     positions = jnp.zeros((num_slots,), jnp.int32)
     if not verify_stacks:
       return LMCache(layers=tuple(layers), cursor=cursor, positions=positions)
@@ -421,9 +456,9 @@ class LM(nnx.Module):
     _checks.expect_shape(name, tokens, (None,) * ndim, what)
 
   def _check_cache(self, cache):
-    n = len(self.mixer_blocks)
+    n = len(self.mixers)
     if not isinstance(cache, LMCache) or len(cache.layers) != n:
-      raise ValueError(f"cache must be an LMCache with {n} layer caches, one per mixer block "
+      raise ValueError(f"cache must be an LMCache with {n} layer caches, one per mixer "
                        f"(from init_cache)")
 
   def _mixed(self, y):
@@ -431,13 +466,17 @@ class LM(nnx.Module):
     return y if self.tp_axis is None else jax.lax.psum(y, self.tp_axis)
 
   def _run_blocks(self, h, cache, mixer_fn):
-    """h through every block; ``mixer_fn(block, x, layer_cache) -> (y, layer_cache)``."""
+    """h through every block; ``mixer_fn(mixer, x, layer_cache) -> (y, layer_cache)`` runs one
+    mixer layer (a parallel block calls it for its Mamba2, then its attention, and adds the two)."""
     caches, layers, r = iter(cache.layers), [], self.config.residual_multiplier
     for block in self.blocks:
       if block.has_mixer:
-        y, lc = mixer_fn(block, block.mixer_norm(h), next(caches))
-        h = h + r * self._mixed(y)
-        layers.append(lc)
+        x, ys = block.mixer_norm(h), []
+        for mixer in block.mixers:
+          y, lc = mixer_fn(mixer, x, next(caches))
+          ys.append(y)
+          layers.append(lc)
+        h = h + r * self._mixed(sum(ys[1:], ys[0]))
       if block.has_mlp:
         y = block.mlp(block.mlp_norm(h))
         # Experts are split over the tensor-parallel axis (partial sums); dense MLPs are replicated.
@@ -482,15 +521,15 @@ class LM(nnx.Module):
 
     stacks = iter(cache.stacks or (None,) * len(cache.layers))
 
-    def mixer_fn(block, x, lc):
+    def mixer_fn(mixer, x, lc):
       stack = next(stacks)
       if isinstance(lc, AttentionLayerCache):
-        return block.mixer.step(x, lc, slots, start, real, fresh=not resume)
+        return mixer.step(x, lc, slots, start, real, fresh=not resume)
       S0 = None
       if resume:
         S0 = (ops[type(lc)].materialize(lc.bufs, cache.cursor, slots) if stack is None
               else _stack_verify.current_state(stack, cache.read_index, slots))
-      return block.mixer.prefill(x, lc, slots, lengths, initial_state=S0)
+      return mixer.prefill(x, lc, slots, lengths, initial_state=S0)
 
     h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn)
     out = cache.replace(layers=layers, cursor=cache.cursor.reset(slots),
@@ -537,11 +576,11 @@ class LM(nnx.Module):
     plan = cache.cursor.plan(slots, force_flush=force_flush, flush_all=bool(flush_all))
     start, live = self._start(cache, slots), slots >= 0
 
-    def mixer_fn(block, x, lc):
+    def mixer_fn(mixer, x, lc):
       if isinstance(lc, AttentionLayerCache):
-        y, lc = block.mixer.step(x[:, None], lc, slots, start, live[:, None])
+        y, lc = mixer.step(x[:, None], lc, slots, start, live[:, None])
         return y[:, 0], lc
-      return block.mixer.decode(x, lc, plan, replay=replay, implementation=implementation)
+      return mixer.decode(x, lc, plan, replay=replay, implementation=implementation)
 
     h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn)
     # Conventional mode never appends to the ring, so the windows stay empty and are not advanced.
@@ -604,16 +643,16 @@ class LM(nnx.Module):
     windows, stacks_in, stacks_out = [], iter(cache.stacks or (None,) * len(cache.layers)), []
     read = None if replay else _slots.gather(cache.read_index, slots)
 
-    def mixer_fn(block, x, lc):
+    def mixer_fn(mixer, x, lc):
       stack = next(stacks_in)
       if isinstance(lc, AttentionLayerCache):
         windows.append(None)
         stacks_out.append(None)
-        return block.mixer.step(x, lc, slots, start, valid)
+        return mixer.step(x, lc, slots, start, valid)
       if replay:
-        y, lc, window = block.mixer.verify(x, lc, plan, lengths=lengths, implementation=implementation)
+        y, lc, window = mixer.verify(x, lc, plan, lengths=lengths, implementation=implementation)
       else:
-        y, stack, window = _stack_verify.verify(block.mixer, x, lc, stack, slots, read, lengths=lengths,
+        y, stack, window = _stack_verify.verify(mixer, x, lc, stack, slots, read, lengths=lengths,
                                                 implementation=implementation)
       windows.append(window)
       stacks_out.append(stack)
@@ -643,8 +682,8 @@ class LM(nnx.Module):
     if not isinstance(step, VerifyStep):
       raise ValueError(f"step must be the VerifyStep of LM.verify; got {type(step).__name__}")
     cache, plan = step.cache, step.plan
-    layers = tuple(lc if w is None else b.mixer.commit(lc, w, plan, num_accepted)
-                   for b, lc, w in zip(self.mixer_blocks, cache.layers, step.windows))
+    layers = tuple(lc if w is None else m.commit(lc, w, plan, num_accepted)
+                   for m, lc, w in zip(self.mixers, cache.layers, step.windows))
     start = self._start(cache, plan.slots)
     out = cache.replace(layers=layers, positions=self._advance(cache, plan.slots, start, num_accepted))
     if step.replay:

@@ -1,4 +1,4 @@
-"""Mamba2 mixer (Mamba2 / Nemotron-H style) as a functional NNX module.
+"""Mamba2 mixer (Mamba2 / Nemotron-H / Falcon-H1 style) as a functional NNX module.
 
 Same structure and cache conventions as ``GatedDeltaNet``: the module owns the parameters; the
 decode cache is an explicit pytree passed in and returned (``y, cache = layer.decode(x, cache,
@@ -15,7 +15,10 @@ Per token x ∈ R^D (H heads of size P, G groups, state size N, I = H·P, C = I 
 
 The gate is *not* applied inside the op: as in Mamba2 (``RMSNormGated(norm_before_gate=False,
 group_size=I // G)``) and Nemotron-H, y is first multiplied by silu(z), then RMS-normalized over
-each **group** of (H // G)·P channels (heads h with h // (H // G) = g), then scaled by w [I].
+each **group** of (H // G)·P channels (heads h with h // (H // G) = g), then scaled by w [I]
+(``norm="gate_then_norm"``). Falcon-H1 checkpoints may instead normalize first,
+``rmsnorm_g(y) · w · silu(z)`` (``"norm_then_gate"``, its ``mamba_norm_before_gate``), or have no
+norm, ``out_proj(y · silu(z))`` (``"none"``, its ``mamba_rms_norm=false``; no ``norm_weight``).
 
 Cache (``Mamba2LayerCache``): the rolling conv state ``[N, W-1, C]`` (the last W-1 pre-conv x|B|C
 inputs of each slot) and the layer's ``mamba2.ReplayBuffers``. As for GatedDeltaNet, one state pool
@@ -42,6 +45,7 @@ f32 = jnp.float32
 # Raw dt at padded prompt positions: softplus(PAD_DT + dt_bias) is exactly 0 in float32, so the
 # decay is exp(0·A) = 1 and (with x = B = 0) the state does not change.
 PAD_DT = -1e4
+NORMS = ("gate_then_norm", "norm_then_gate", "none")   # output norm of the mixer (Mamba2Config.norm)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +63,8 @@ class Mamba2Config:
     rms_eps: epsilon of the gated RMSNorm.
     dt_limit: (lo, hi): Δ is clipped to [lo, hi] after the softplus (NVIDIA's ``dt_limit``,
       transformers' ``time_step_limit``); the default (0, ∞) clips nothing.
+    norm: the output norm: "gate_then_norm" (rmsnorm_g(y·silu(z))·w, Mamba2), "norm_then_gate"
+      (rmsnorm_g(y)·w·silu(z)) or "none" (y·silu(z), no norm weight); the last two are Falcon-H1's.
     dtype: activation and parameter dtype (float32, bfloat16 or float16). Recurrence math is float32.
   """
   hidden_size: int
@@ -69,6 +75,7 @@ class Mamba2Config:
   conv_kernel: int = 4
   rms_eps: float = 1e-6
   dt_limit: tuple = (0.0, math.inf)
+  norm: str = "gate_then_norm"
   dtype: jnp.dtype = jnp.float32
 
   def __post_init__(self):
@@ -89,6 +96,8 @@ class Mamba2Config:
         or math.isnan(limit[0]) or math.isnan(limit[1]) or not 0 <= limit[0] <= limit[1]):
       raise ValueError(f"dt_limit={self.dt_limit!r}; expected (lo, hi) floats with 0 <= lo <= hi")
     object.__setattr__(self, "dt_limit", (float(limit[0]), float(limit[1])))
+    if self.norm not in NORMS:
+      raise ValueError(f"norm={self.norm!r}; expected one of {NORMS}")
     dtype = jnp.dtype(self.dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       raise ValueError(f"dtype={dtype}; expected float32, bfloat16 or float16")
@@ -124,7 +133,7 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
 
   Parameters: ``in_proj`` (D → I + C + H, no bias; output order z | x | B | C | dt),
   ``conv_weight`` [W, C], ``conv_bias`` [C], ``A_log`` [H], ``D`` [H], ``dt_bias`` [H],
-  ``norm_weight`` [I], ``out_proj`` (I → D, no bias).
+  ``norm_weight`` [I] (not with ``norm="none"``), ``out_proj`` (I → D, no bias).
   """
 
   cache_type = Mamba2LayerCache
@@ -149,7 +158,8 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
     dt = jnp.exp(jax.random.uniform(rngs.params(), (h,), f32, math.log(1e-3), math.log(1e-1)))
     self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))
     self.D = nnx.Param(jnp.ones((h,), f32))
-    self.norm_weight = nnx.Param(jnp.ones((c.inner_dim,), c.dtype))
+    if c.norm != "none":
+      self.norm_weight = nnx.Param(jnp.ones((c.inner_dim,), c.dtype))
     self.out_proj = nnx.Linear(c.inner_dim, c.hidden_size, use_bias=False, dtype=c.dtype,
                                param_dtype=c.dtype, rngs=rngs)
 
@@ -204,13 +214,19 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
     return A, D, delta, None, False
 
   def _output(self, y, z):
-    """y, z [..., H, P] → out_proj(rmsnorm_per_group(y·silu(z))·w) [..., D] (in float32)."""
+    """y, z [..., H, P] → out_proj(rmsnorm_per_group(y·silu(z))·w) [..., D] (in float32; the
+    norm and gate as ``config.norm`` says)."""
     c = self.config
     lead = y.shape[:-2]
-    g = y.astype(f32) * jax.nn.silu(z.astype(f32))
-    g = g.reshape(*lead, c.num_groups, c.inner_dim // c.num_groups)
-    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + c.rms_eps)
-    g = g.reshape(*lead, c.inner_dim) * self.norm_weight[...].astype(f32)
+    g, gate = y.astype(f32).reshape(*lead, c.inner_dim), jax.nn.silu(z.astype(f32)).reshape(*lead, c.inner_dim)
+    if c.norm != "norm_then_gate":
+      g = g * gate
+    if c.norm != "none":
+      g = g.reshape(*lead, c.num_groups, c.inner_dim // c.num_groups)
+      g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + c.rms_eps)
+      g = g.reshape(*lead, c.inner_dim) * self.norm_weight[...].astype(f32)
+    if c.norm == "norm_then_gate":
+      g = g * gate
     return self.out_proj(g.astype(c.dtype))
 
   # ---- prefill -----------------------------------------------------------------------------

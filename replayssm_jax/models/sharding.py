@@ -10,6 +10,8 @@ Mamba2 kernels see local heads only. Per mixer:
   vectors (``A_log``, ``dt_bias``, ``D``, Mamba2 ``norm_weight``) split by head;
 * attention: ``q_proj`` (per head [q | gate]), ``k_proj``, ``v_proj`` columns split by head
   (query heads and key/value heads alike), ``o_proj`` rows split by head; q/k norms replicated;
+* a parallel block (Falcon-H1) shards its Mamba2 and its attention layer as above, each over its
+  own heads; the two partial outputs are added, then summed over the devices once;
 * mixture of experts: every expert's (and the shared expert's) intermediate dimension is split
   (``gate_up`` columns regrouped device-major as [gate | up], ``down`` rows), router, correction
   bias, shared gate and latent projections replicated; the partial outputs summed with ``psum``;
@@ -32,6 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from replayssm_jax.models.attention import AttentionLayerCache
+from replayssm_jax.models.gated_deltanet import GdnLayerCache
 from replayssm_jax.models.lm import LM, LMCache
 
 
@@ -60,6 +63,8 @@ class ShardedLM:
       raise ValueError(f"axis={axis!r} is not an axis of the mesh {mesh.axis_names}")
     tp = mesh.shape[axis]
     types = set(c.layer_types)
+    if "parallel" in types:   # a Mamba2 and an attention layer per block
+      types |= {"mamba2", "attention"}
     local = {}
     checks = []
     if "gdn" in types:
@@ -125,7 +130,10 @@ class ShardedLM:
     if "mixer" not in keys:
       return x, P()
     kind = self.model.blocks[keys[keys.index("blocks") + 1]].layer_type
-    name = "/".join(str(k) for k in keys[keys.index("mixer") + 1:])
+    rest = keys[keys.index("mixer") + 1:]
+    if kind == "parallel":   # blocks.i.mixer.{mamba2,attention}.<name>
+      kind, rest = rest[0], rest[1:]
+    name = "/".join(str(k) for k in rest)
     if kind == "attention":
       # Head-major columns (q_proj: [q_h | gate_h] per head), so a contiguous split is by head.
       if name in ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel"):
@@ -169,12 +177,12 @@ class ShardedLM:
                    positions=P())
 
   def _convert_cache(self, cache, *, to_sharded):
-    kinds = [b.layer_type for b in self.model.mixer_blocks]
     layers = []
-    for kind, lc in zip(kinds, cache.layers):
-      if kind == "attention":
+    for lc in cache.layers:
+      if isinstance(lc, AttentionLayerCache):
         layers.append(lc)
         continue
+      kind = "gdn" if isinstance(lc, GdnLayerCache) else "mamba2"
       conv = _regroup(lc.conv_state, 2, self._groups(kind, "conv"), self.tp, to_device_major=to_sharded)
       layers.append(lc.replace(conv_state=conv))
     return cache.replace(layers=tuple(layers))

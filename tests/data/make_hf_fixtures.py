@@ -44,13 +44,15 @@ attribute set back to ``config.time_step_limit`` after loading (``_follow_dt_lim
 ``*_unpatched`` arrays are what transformers gives without that change. ``dt_bias`` is drawn so
 that part of the heads run with dt below ``time_step_min`` and the rest well above it, so the two
 semantics differ visibly. ``Mamba2Mixer`` already clamps with ``config.time_step_limit``.
-``GraniteMoeHybridMambaLayer`` and ``BambaMixer`` clamp with ``config.time_step_limit`` in their
-chunked prefill and not in their decode step; the Granite and Bamba fixtures keep the released
-(0, inf), where both agree.
+``GraniteMoeHybridMambaLayer``, ``BambaMixer`` and ``FalconH1Mixer`` clamp with
+``config.time_step_limit`` in their chunked prefill and not in their decode step; the Granite,
+Bamba and Falcon-H1 fixtures keep the released (0, inf), where both agree.
 
 Granite 4.0 fixtures draw the embedding with standard deviation 1 / ``embedding_multiplier`` and
 the head with ``logits_scaling`` times the usual scale, so hidden states and logits keep the
-spreads of the other fixtures while every multiplier changes the outputs.
+spreads of the other fixtures while every multiplier changes the outputs. Falcon-H1 fixtures
+likewise draw the embedding with standard deviation 1 / ``embedding_multiplier`` and the head
+with 1 / ``lm_head_multiplier`` times the usual scale.
 """
 import argparse
 import datetime
@@ -68,7 +70,8 @@ import safetensors
 import torch
 import transformers
 from torch import nn
-from transformers import (BambaConfig, BambaForCausalLM, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
+from transformers import (BambaConfig, BambaForCausalLM, FalconH1Config, FalconH1ForCausalLM,
+                          GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
                           Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM,
                           Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                           Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
@@ -84,8 +87,9 @@ MAX_SEED_TRIES = 50
 ZERO_CENTRED_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")  # y = x̂ · (1 + w)
 PLAIN_NORMS = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated",
                "NemotronHRMSNorm", "NemotronHRMSNormGated", "Mamba2RMSNorm", "MambaRMSNormGated",
-               "GraniteMoeHybridRMSNorm", "GraniteMoeHybridRMSNormGated", "BambaRMSNorm", "BambaRMSNormGated")
-MAMBA2_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")
+               "GraniteMoeHybridRMSNorm", "GraniteMoeHybridRMSNormGated", "BambaRMSNorm", "BambaRMSNormGated",
+               "FalconH1RMSNorm", "FalconH1RMSNormGated")
+MAMBA2_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer")
 
 # ---- the fixtures --------------------------------------------------------------------------
 
@@ -183,9 +187,40 @@ def bamba():
   return BambaForCausalLM, config
 
 
+# Falcon-H1: muP multipliers of the magnitudes of the released checkpoints (Falcon-H1-0.5B's), with
+# attention_in_multiplier away from its released 1.0 so that it is exercised too.
+FALCON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
+              mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8, mamba_conv_bias=True,
+              embedding_multiplier=5.656854249492381, lm_head_multiplier=0.0390625, key_multiplier=0.390625,
+              attention_in_multiplier=0.8, attention_out_multiplier=0.9375, ssm_in_multiplier=1.25,
+              ssm_out_multiplier=0.23570226039551587, mlp_multipliers=[0.8838834764831844, 0.5859375],
+              ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+              tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def falcon_h1():
+  """Falcon-H1-0.5B-like: 3 parallel layers, no Mamba2 norm (``mamba_rms_norm`` false), ``mamba_d_ssm``
+  96 (not mamba_expand · hidden_size), ``head_dim`` 24 (not hidden_size / heads), rope θ 1e11."""
+  config = FalconH1Config(**FALCON, num_hidden_layers=3, intermediate_size=64, head_dim=24, mamba_d_ssm=96,
+                          mamba_rms_norm=False, mamba_norm_before_gate=False,
+                          rope_parameters=dict(rope_type="default", rope_theta=1e11))
+  return FalconH1ForCausalLM, config
+
+
+def falcon_h1_rms_norm():
+  """Falcon-H1 with the Mamba2 gated RMSNorm applied before the gate (transformers' default), inner
+  width mamba_expand · hidden_size, head_dim hidden_size / heads, rope θ 1e4."""
+  config = FalconH1Config(**(FALCON | dict(key_multiplier=0.5, ssm_out_multiplier=0.3)),
+                          num_hidden_layers=3, intermediate_size=48, mamba_d_ssm=None, mamba_expand=1,
+                          mamba_rms_norm=True, mamba_norm_before_gate=True,
+                          rope_parameters=dict(rope_type="default", rope_theta=1e4))
+  return FalconH1ForCausalLM, config
+
+
 FIXTURES = dict(qwen3_5=qwen3_5, qwen3_5_vl=qwen3_5_vl, qwen3_next=qwen3_next, qwen3_5_moe=qwen3_5_moe,
                 nemotron_h=nemotron_h, mamba2=mamba2, granitemoehybrid=granitemoehybrid,
-                granitemoehybrid_dense_rope=granitemoehybrid_dense_rope, bamba=bamba)
+                granitemoehybrid_dense_rope=granitemoehybrid_dense_rope, bamba=bamba, falcon_h1=falcon_h1,
+                falcon_h1_rms_norm=falcon_h1_rms_norm)
 SHARED_SEED = dict(qwen3_5_vl="qwen3_5")  # same seed: equal tensor names get equal values
 
 
@@ -230,8 +265,10 @@ def _value(model, module, module_name, leaf, shape, gen):
     if leaf == "bias":
       return normal(0.2)
     fan_in = math.prod(shape[1:])
-    # logits (after Granite's division by logits_scaling) with a spread of a few units
-    scale = 2.0 * getattr(model.config, "logits_scaling", 1.0) if module_name.endswith("lm_head") else 1.0
+    # logits (after Granite's division by logits_scaling, Falcon-H1's lm_head_multiplier) with a
+    # spread of a few units
+    scale = (2.0 * getattr(model.config, "logits_scaling", 1.0) / getattr(model.config, "lm_head_multiplier", 1.0)
+             if module_name.endswith("lm_head") else 1.0)
     return normal(scale / math.sqrt(fan_in))
   if kind.endswith("GatedDeltaNet"):
     if leaf == "A_log":  # decay exp(-A · softplus(a + dt_bias)) between ~0.5 and ~0.97
@@ -407,6 +444,11 @@ def _summary(config):
   if text.model_type == "bamba":
     keys += ("attn_layer_indices", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
              "mamba_chunk_size")
+  if text.model_type == "falcon_h1":
+    keys += ("mamba_n_heads", "mamba_d_head", "mamba_d_ssm", "mamba_expand", "mamba_n_groups", "mamba_d_state",
+             "mamba_chunk_size", "mamba_rms_norm", "mamba_norm_before_gate", "embedding_multiplier",
+             "lm_head_multiplier", "key_multiplier", "attention_in_multiplier", "attention_out_multiplier",
+             "ssm_in_multiplier", "ssm_out_multiplier", "ssm_multipliers", "mlp_multipliers")
   if text.model_type == "granitemoehybrid":
     keys += ("num_local_experts", "shared_intermediate_size", "mamba_n_heads", "mamba_d_head", "mamba_n_groups",
              "mamba_d_state", "mamba_chunk_size", "embedding_multiplier", "residual_multiplier",
@@ -457,9 +499,9 @@ def build(name, prompt_list):
             _rel_l2(arrays[f"prefill_logits_{p}_unpatched"], arrays[f"prefill_logits_{p}"]) for p in range(2)],
         greedy_equal_unpatched_vs_reference=[
             bool((arrays[f"greedy_{p}_unpatched"] == arrays[f"greedy_{p}"]).all()) for p in range(2)])
-  if isinstance(model, (Mamba2ForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM)):
+  if isinstance(model, (Mamba2ForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM, FalconH1ForCausalLM)):
     limits = {tuple(m.time_step_limit) for m in model.modules()
-              if type(m).__name__ in ("Mamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer")}
+              if type(m).__name__ in ("Mamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer")}
     record["dt_limit"] = dict(mixer_time_step_limit=[[str(x) for x in l] for l in limits])
   for p, prompt in enumerate(prompt_list):
     arrays[f"prompt_{p}"] = prompt
