@@ -10,9 +10,9 @@ LATEST := .venv-jax-latest
 PY_LATEST    := $(LATEST)/bin/python
 STAMP_LATEST := $(LATEST)/.installed
 # XLA's CPU compiler segfaults now and then while compiling the serving engine's programs
-# (bench/NOTES.md, "Harness, CI and interpreter hazards"): a test whose worker dies runs once more
-# (pytest-rerunfailures); a test that fails any other way is never rerun.
-PYTEST := -m pytest -n 2 --durations=15 --reruns=1 --only-rerun="crashed while running"
+# (bench/NOTES.md, "Harness, CI and interpreter hazards"): a test whose worker dies runs again, at
+# most twice (pytest-rerunfailures); a test that fails any other way is never rerun.
+PYTEST := -m pytest -n 2 --durations=15 --reruns=2 --only-rerun="crashed while running"
 
 .PHONY: test test-pinned test-latest demo install bench notebooks clean
 
