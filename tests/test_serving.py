@@ -103,6 +103,23 @@ def test_stop_tokens_and_sampling_are_per_request(model, solo):
   assert engine.run()[s2] == out[s1] != solo[2][:8]
 
 
+def preempted(start, steps, directory):
+  """``start()`` makes an engine with its requests queued. Returns (an engine run to the end, its
+  tokens, an engine preempted to ``directory`` after ``steps`` steps, and its resumed twin)."""
+  full = start()
+  expected = full.run()
+  engine = start()
+  for _ in range(steps):
+    engine.step()
+  engine.preempt(directory)
+  return full, expected, engine, Engine.resume(directory)
+
+
+def assert_same_cache(a: Engine, b: Engine):
+  for x, y in zip(jax.tree.leaves(a.cache), jax.tree.leaves(b.cache)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_preempt_resume_is_bit_exact(model, tmp_path):
   def start():
     engine = Engine(model, CFG)
@@ -110,23 +127,16 @@ def test_preempt_resume_is_bit_exact(model, tmp_path):
       engine.submit(PROMPTS[i], max_new_tokens=NEW[i] + 4, request_id=f"r{i}")
     return engine
 
-  full = start()
-  expected = full.run()
-  engine = start()
-  for _ in range(5):
-    engine.step()
-  engine.preempt(tmp_path / "ckpt")
+  programs = lambda: [f._cache_size() for f in (engine_module._prefill_jit, engine_module._decode_jit)]
+  full, expected, engine, resumed = preempted(start, 5, tmp_path / "ckpt")
   with pytest.raises(RuntimeError, match="preempted"):
     engine.step()
-  resumed = Engine.resume(tmp_path / "ckpt")
   assert not resumed.idle and resumed.outputs()["r3"] == []
-  programs = lambda: [f._cache_size() for f in (engine_module._prefill_jit, engine_module._decode_jit)]
   compiled = programs()
   assert resumed.run() == expected
   # with the programs the first engine compiled (restored arrays are committed like the engine's),
   assert programs() == compiled
-  for x, y in zip(jax.tree.leaves(full.cache), jax.tree.leaves(resumed.cache)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert_same_cache(full, resumed)
 
 
 def test_prefix_reuse_matches_cold_run(model):

@@ -33,7 +33,7 @@ from replayssm_jax.models.gated_deltanet import GdnLayerCache
 from replayssm_jax.serving import Engine, EngineConfig
 from replayssm_jax.serving import engine as engine_module
 from replayssm_jax.serving.drafter import NgramDrafter
-from tests.test_serving import BASE, HYBRID, MAX_PROMPT
+from tests.test_serving import BASE, HYBRID, MAX_PROMPT, assert_same_cache, preempted
 
 generate_module = importlib.import_module("replayssm_jax.models.generate")
 
@@ -210,18 +210,11 @@ def test_preempt_resume_with_drafting_is_bit_exact(model, plain, tmp_path):
       engine.submit(PROMPTS[i], max_new_tokens=NEW[i] + 4, request_id=f"r{i}", **opts)
     return engine
 
-  full = start()
-  expected = full.run()
-  engine = start()
-  for _ in range(3):
-    engine.step()
-  engine.preempt(tmp_path / "ckpt")
-  resumed = Engine.resume(tmp_path / "ckpt")
+  full, expected, _, resumed = preempted(start, 3, tmp_path / "ckpt")
   assert resumed.outputs()["r3"] == [] and resumed.config == config
   # then the resumed engine continues bit for bit (tokens and every cache array),
   assert resumed.run() == expected
-  for x, y in zip(jax.tree.leaves(full.cache), jax.tree.leaves(resumed.cache)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert_same_cache(full, resumed)
   # and the sampled request alone gets its tokens of the shared run (which are not greedy).
   alone = Engine(model, config)
   rid = alone.submit(PROMPTS[2], max_new_tokens=NEW[2] + 4, **sampled)
