@@ -18,7 +18,6 @@ and GDN-only stacks: test_models_spec runs their speculative generate, ReplaySSM
 """
 import importlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
