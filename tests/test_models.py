@@ -139,6 +139,11 @@ def test_generate_greedy_replay_equals_conventional_and_oracle(model):
                               jnp.array([seq.shape[1]], jnp.int32))
     oracle = np.asarray(jnp.argmax(logits[0, n - 1:n - 1 + new], axis=-1))
     np.testing.assert_array_equal(np.asarray(a[r]), oracle)
+  # The head at chosen positions only (logits_at) is the full head there.
+  at = jnp.asarray(LENGTHS - 1, jnp.int32)
+  full, _ = model.prefill(PROMPTS, model.init_cache(3), jnp.arange(3, dtype=jnp.int32), LENGTHS)
+  last, _ = model.prefill(PROMPTS, model.init_cache(3), jnp.arange(3, dtype=jnp.int32), LENGTHS, logits_at=at)
+  np.testing.assert_allclose(np.asarray(last), np.asarray(full)[np.arange(3), np.asarray(at)], rtol=1e-6, atol=1e-6)
 
 
 def test_flush_all_decode_equals_conventional(model):

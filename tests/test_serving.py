@@ -127,8 +127,9 @@ def test_preempt_resume_is_bit_exact(model, tmp_path):
       engine.submit(PROMPTS[i], max_new_tokens=NEW[i] + 4, request_id=f"r{i}")
     return engine
 
-  programs = lambda: [f._cache_size() for f in (engine_module._prefill_jit, engine_module._decode_jit)]
   full, expected, engine, resumed = preempted(start, 5, tmp_path / "ckpt")
+  assert resumed._programs is engine._programs
+  programs = lambda: [f._cache_size() for f in (engine._programs.prefill, engine._programs.decode)]
   with pytest.raises(RuntimeError, match="preempted"):
     engine.step()
   assert not resumed.idle and resumed.outputs()["r3"] == []

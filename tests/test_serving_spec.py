@@ -16,8 +16,10 @@ and GDN-only stacks: test_models_spec runs their speculative generate, ReplaySSM
   drafting request gets the same tokens alone.
 * ``NgramDrafter`` proposes what ``ngram_drafts`` proposes; bad options raise ValueError.
 """
+import dataclasses
 import importlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,12 +95,14 @@ def _schedule(model, config, joins, submit=None):
 def test_speculative_greedy_equals_plain_greedy(model, plain, monkeypatch):
   plain, greedy = plain
   assert plain[1] != greedy[1] and plain[0] == greedy[0]
-  jitted, shapes = engine_module._verify_jit, []     # the (bucket, T) of every verify step
+  programs, shapes = engine_module._programs, []     # the (bucket, T) of every verify step
+  jitted = programs(*_structure(model)).verify
 
   def recording(*args, **kwargs):
-    shapes.append(args[3].shape)
+    shapes.append(args[2].shape)
     return jitted(*args, **kwargs)
-  monkeypatch.setattr(engine_module, "_verify_jit", recording)
+  monkeypatch.setattr(engine_module, "_programs",
+                      lambda *key: dataclasses.replace(programs(*key), verify=recording))
   assert plain[0][:3] == [201, 202, 203]    # prompt 0's stream continues its cycle for 3 tokens
   # Given drafting with requests joining at different steps (r3 waits for a slot),
   tokens, engine = _schedule(model, SPEC, [0, 0, 1, 2])
@@ -119,6 +123,12 @@ def test_speculative_greedy_equals_plain_greedy(model, plain, monkeypatch):
   cut, _ = _schedule(model, SPEC, [0, 0, 1, 2], {0: dict(stop_tokens=(plain[0][1],))})
   assert cut[0] == plain[0][:2] and cut[1:] == plain[1:]
   assert set(shapes) - seen == {(4, 2)} and jitted._cache_size() == before + 1
+
+
+def _structure(model):
+  """The key of the engine's programs for ``model``: (graphdef, parameter treedef)."""
+  graphdef, params = nnx.split(model)
+  return graphdef, jax.tree.structure(params)
 
 
 def _slot_view(model, cache, slot):
@@ -142,13 +152,14 @@ def _slot_view(model, cache, slot):
 
 def _reference_view(model, tokens):
   """_slot_view of a fresh prefill of ``tokens`` (one slot, padded to MAX_PROMPT: one compile)."""
-  graphdef, params = nnx.split(model)
+  leaves = jax.tree.leaves(nnx.state(model))
   cache = model.init_cache(1, buffer_len=BASE["buffer_len"], max_len=MAX_PROMPT)
   padded = np.zeros((1, MAX_PROMPT), np.int32)
   padded[0, :len(tokens)] = tokens
   one, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
-  _, cache = engine_module._prefill_jit(graphdef, params, cache, jnp.asarray(padded), zero,
-                                        len(tokens) * one, zero.astype(jnp.float32), zero, resume=False)
+  prefill = engine_module._programs(*_structure(model)).prefill
+  _, cache = prefill(leaves, cache, jnp.asarray(padded), zero, len(tokens) * one,
+                     zero.astype(jnp.float32), zero, resume=False)
   return _slot_view(model, cache, 0)
 
 

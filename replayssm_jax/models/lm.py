@@ -497,7 +497,7 @@ class LM(nnx.Module):
   def _head(self, h):
     return self.head(self.final_norm(h)).astype(f32) / self.config.logits_scaling
 
-  def prefill(self, tokens, cache: LMCache, slots, lengths, *, resume=False):
+  def prefill(self, tokens, cache: LMCache, slots, lengths, *, resume=False, logits_at=None):
     """Right-padded prompts; writes the slots' caches and empties their windows.
 
     Args:
@@ -508,9 +508,13 @@ class LM(nnx.Module):
       resume: False: every row starts from an empty state. True: row b continues its slot's
         current sequence (exact state = checkpoint ⊕ window, the stored conv inputs and the
         KV entries before the slot's position), e.g. the rest of a prompt after a prefix-cache hit.
+      logits_at: optional int32[B] position per row in [0, T): only those positions go through
+        the head (a serving prefill needs the last prompt position alone; the head of every
+        position is B·T·vocab float32 logits).
 
     Returns:
-      (logits [B, T, vocab] float32 — only positions < lengths[b] are meaningful; cache).
+      (logits [B, T, vocab] float32 — only positions < lengths[b] are meaningful — or
+      [B, vocab] at ``logits_at``; cache).
     """
     self._check_tokens("tokens", tokens, 2, "(int32[B, T])")
     self._check_cache(cache)
@@ -538,6 +542,9 @@ class LM(nnx.Module):
       out = out.replace(stacks=tuple(None if st is None else _stack_verify.put_state(st, slots, lc.bufs.state)
                                      for st, lc in zip(cache.stacks, layers)),
                         read_index=_slots.scatter_rows(cache.read_index, slots, jnp.zeros_like(slots)))
+    if logits_at is not None:
+      _checks.expect_shape("logits_at", logits_at, (tokens.shape[0],), "(int32[B])")
+      h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)[:, 0]
     return self._head(h), out
 
   def _check_capacity(self, cache, num_tokens, resume):

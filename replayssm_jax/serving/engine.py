@@ -3,8 +3,9 @@
 Pool layout: slots ``[0, max_running)`` hold running requests, slots ``[max_running,
 max_running + prefix_slots)`` hold prefix snapshots. Each engine ``step()``:
 
-1. admits waiting requests into free slots: prefill (one jitted ``LM.prefill`` per request, prompt
-   padded to a fixed width, so one compilation) and the first token from the prefill logits;
+1. admits waiting requests into free slots: prefill (``LM.prefill`` of up to ``prefill_batch``
+   requests at once, prompts padded to ``max_prompt_len``: one compiled width; one request at a
+   time with prefix caching) and the first token from the prefill logits;
 2. runs ONE model step for every running request in a fixed batch bucket (the smallest of
    ``batch_buckets`` that holds them; the other rows are padding rows, slot −1), so there is one
    compiled step per bucket (and verify width) whatever requests join, finish or sit in which
@@ -58,11 +59,13 @@ tokens/s (engine clock: time spent preempted is not counted).
 """
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
 import time
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +100,10 @@ class EngineConfig:
       ``replay=False`` the verify is conventional: every recurrent layer keeps k + 1 states per
       slot (``LM.init_cache(verify_stacks=True)``), the baseline to time ReplaySSM verify against.
     ngram: n-gram length the drafter matches.
+    prefill_batch: requests prefilled together (without prefix caching): the requests a step
+      admits go through the prefill in groups of up to ``prefill_batch`` rows, one compiled
+      width (``prefill_batch``; a lone request runs at width 1). Activations scale with
+      prefill_batch · max_prompt_len tokens.
     prefix_block: prefix-cache block in tokens; 0 turns prefix caching off.
     prefix_slots: pool slots for prefix snapshots (>= 1 when prefix_block > 0).
     max_prompt_len: longest prompt accepted; None = the model's ``config.max_prompt_len``.
@@ -112,6 +119,7 @@ class EngineConfig:
   replay: bool = True
   num_drafts: int = 0
   ngram: int = 2
+  prefill_batch: int = 8
   prefix_block: int = 0
   prefix_slots: int = 0
   max_prompt_len: int | None = None
@@ -121,8 +129,8 @@ class EngineConfig:
   implementation: str | None = None
 
   def __post_init__(self):
-    for name, lo in (("max_running", 1), ("prefix_block", 0), ("prefix_slots", 0), ("num_drafts", 0),
-                     ("ngram", 1)):
+    for name, lo in (("max_running", 1), ("prefill_batch", 1), ("prefix_block", 0), ("prefix_slots", 0),
+                     ("num_drafts", 0), ("ngram", 1)):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ValueError(f"{name}={value!r}; expected an int >= {lo}")
@@ -194,27 +202,31 @@ class _Request:
   t_done: float | None = None
 
 
-def _prefill_impl(graphdef, params, cache, tokens, slots, lengths, temps, seeds, *, resume):
-  model = nnx.merge(graphdef, params)
-  logits, cache = model.prefill(tokens, cache, slots, lengths, resume=resume)
-  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+def _merge(graphdef, treedef, leaves) -> LM:
+  return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def _prefill_impl(graphdef, treedef, leaves, cache, tokens, slots, lengths, temps, seeds, *, resume):
+  model = _merge(graphdef, treedef, leaves)
+  last, cache = model.prefill(tokens, cache, slots, lengths, resume=resume,
+                              logits_at=jnp.maximum(lengths - 1, 0))
   return sampling.sample(last, temps, sampling.seed_keys(seeds), jnp.zeros_like(seeds)), cache
 
 
-def _decode_impl(graphdef, params, cache, tokens, slots, force, temps, seeds, positions, *, replay,
-                 implementation):
-  model = nnx.merge(graphdef, params)
+def _decode_impl(graphdef, treedef, leaves, cache, tokens, slots, force, temps, seeds, positions, *,
+                 replay, implementation):
+  model = _merge(graphdef, treedef, leaves)
   logits, cache = model.decode(tokens, cache, slots, replay=replay, implementation=implementation,
                                force_flush=force)
   return sampling.sample(logits, temps, sampling.seed_keys(seeds), positions), cache
 
 
-def _verify_impl(graphdef, params, cache, tokens, lengths, slots, force, temps, seeds, positions, *,
-                 replay, implementation):
+def _verify_impl(graphdef, treedef, leaves, cache, tokens, lengths, slots, force, temps, seeds,
+                 positions, *, replay, implementation):
   """tokens int32[B, T] (last emitted token, drafts, padding), lengths int32[B] →
   (run int32[B, T], num_emitted int32[B], cache): row b emits ``run[b, :num_emitted[b]]`` and
   commits as many inputs."""
-  model = nnx.merge(graphdef, params)
+  model = _merge(graphdef, treedef, leaves)
   logits, step = model.verify(tokens, cache, slots, lengths=lengths, replay=replay,
                               implementation=implementation, force_flush=force)
   run, emitted = sampling.speculative_sample(logits, tokens[:, 1:], lengths - 1, temps,
@@ -222,17 +234,34 @@ def _verify_impl(graphdef, params, cache, tokens, lengths, slots, force, temps, 
   return run, emitted, model.commit(step, emitted)
 
 
-def _copy_impl(graphdef, params, cache, src, dst):
+def _copy_impl(graphdef, treedef, leaves, cache, src, dst):
   """Every layer's cache and the slot state of slot src[0] → dst[0] (``LM.copy_slots``)."""
-  return nnx.merge(graphdef, params).copy_slots(cache, src, dst)
+  return _merge(graphdef, treedef, leaves).copy_slots(cache, src, dst)
 
 
-_prefill_jit = jax.jit(_prefill_impl, donate_argnames=("cache",), static_argnames=("graphdef", "resume"))
-_decode_jit = jax.jit(_decode_impl, donate_argnames=("cache",),
-                      static_argnames=("graphdef", "replay", "implementation"))
-_verify_jit = jax.jit(_verify_impl, donate_argnames=("cache",),
-                      static_argnames=("graphdef", "replay", "implementation"))
-_copy_jit = jax.jit(_copy_impl, donate_argnames=("cache",), static_argnames=("graphdef",))
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+  """The engine's jitted steps for one model structure; each takes the parameter leaves (a flat
+  list: jit's C++ dispatch flattens it without calling back into Python) and the cache (donated)."""
+  prefill: Callable
+  decode: Callable
+  verify: Callable
+  copy: Callable
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef, treedef) -> _Programs:
+  """One set of programs per (graphdef, parameter treedef), shared by every engine of that model
+  structure (a resumed engine reuses what the first compiled). The graphdef is bound here rather
+  than passed as a static argument: hashing it costs milliseconds (4.5 ms for a 32-layer model on
+  this project's CPU host), which a static argument pays on every call."""
+  bind = lambda impl: functools.partial(impl, graphdef, treedef)
+  kernel_options = ("replay", "implementation")
+  return _Programs(
+      prefill=jax.jit(bind(_prefill_impl), donate_argnames=("cache",), static_argnames=("resume",)),
+      decode=jax.jit(bind(_decode_impl), donate_argnames=("cache",), static_argnames=kernel_options),
+      verify=jax.jit(bind(_verify_impl), donate_argnames=("cache",), static_argnames=kernel_options),
+      copy=jax.jit(bind(_copy_impl), donate_argnames=("cache",)))
 
 
 class Engine:
@@ -261,11 +290,13 @@ class Engine:
     if model.config.has_attention and self.max_seq_len < self.max_prompt_len + 1:
       raise ValueError(f"max_seq_len={self.max_seq_len} leaves no room to generate after a prompt "
                        f"of max_prompt_len={self.max_prompt_len} tokens")
-    self._graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(model)
     cache = _cache if _cache is not None else _init_cache(model, config, self.max_seq_len)
     # Committed to their devices, as Orbax restores them: jit keys its programs on commitment, so
     # a resumed engine reuses the compiled programs instead of compiling them again.
     self._params, self._cache = _committed(params), _committed(cache)
+    self._leaves, treedef = jax.tree.flatten(self._params)
+    self._programs = _programs(graphdef, treedef)
     self._requests: dict[str, _Request] = {}
     self._waiting: collections.deque = collections.deque()
     self._running: list[str] = []
@@ -388,17 +419,23 @@ class Engine:
       raise RuntimeError("this engine was preempted; continue with Engine.resume(directory)")
 
   def _admit(self) -> list:
-    finished = []
+    admitted = []
     while self._waiting and self._free:
-      rid = self._waiting.popleft()
-      r = self._requests[rid]
+      r = self._requests[self._waiting.popleft()]
       r.slot = self._free.pop(0)
-      first = self._prefill(r)
+      admitted.append(r)
+    group = self.config.prefill_batch
+    if self.config.prefix_block:   # one by one: a request may hit the snapshots of the one before
+      firsts = [self._prefill(r) for r in admitted]
+    else:
+      firsts = [tok for i in range(0, len(admitted), group) for tok in self._prefill_group(admitted[i:i + group])]
+    finished = []
+    for r, first in zip(admitted, firsts):
       r.t_first = self._clock()
       if self._append(r, first):
-        finished.append(rid)
+        finished.append(r.rid)
       else:
-        self._running.append(rid)
+        self._running.append(r.rid)
     return finished
 
   def _rows(self, values, width, fill, dtype):
@@ -406,20 +443,32 @@ class Engine:
     out[:len(values)] = values
     return jnp.asarray(out)
 
+  def _prefill_group(self, reqs: list) -> list:
+    """Whole prompts of ``reqs`` in one prefill (width 1 or ``prefill_batch``); first tokens."""
+    width = 1 if len(reqs) == 1 else self.config.prefill_batch
+    tokens = np.full((width, self.max_prompt_len), PAD_TOKEN, np.int32)
+    for i, r in enumerate(reqs):
+      tokens[i, :len(r.prompt)] = r.prompt
+    rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
+    tok, self._cache = self._programs.prefill(
+        self._leaves, self._cache, jnp.asarray(tokens), rows([r.slot for r in reqs], -1, np.int32),
+        rows([len(r.prompt) for r in reqs], 0, np.int32), rows([r.temperature for r in reqs], 0.0, np.float32),
+        rows([r.seed for r in reqs], 0, np.int32), resume=False)
+    return np.asarray(tok)[:len(reqs)].tolist()
+
   def _prefill(self, r: _Request) -> int:
+    """One request's prompt in blocks of ``prefix_block`` (prefix caching); its first token."""
     cfg, p = self.config, r.prompt
     temps, seeds = jnp.array([r.temperature], jnp.float32), jnp.array([r.seed], jnp.int32)
     slots = jnp.array([r.slot], jnp.int32)
-    if not cfg.prefix_block:
-      return self._prefill_chunk(p, self.max_prompt_len, slots, temps, seeds, resume=False)
     block, start = cfg.prefix_block, 0
     self.prefix_lookups += 1
     for k in range((len(p) - 1) // block * block, 0, -block):
       hit = self._snapshots.get(tuple(p[:k]))
       if hit is not None:
         self._snapshots.move_to_end(tuple(p[:k]))
-        self._cache = _copy_jit(self._graphdef, self._params, self._cache,
-                                 jnp.array([hit], jnp.int32), slots)
+        self._cache = self._programs.copy(self._leaves, self._cache, jnp.array([hit], jnp.int32),
+                                          slots)
         self.prefix_hits += 1
         r.prefix_hit = start = k
         break
@@ -432,8 +481,9 @@ class Engine:
 
   def _prefill_chunk(self, tokens, width, slots, temps, seeds, *, resume) -> int:
     toks = self._rows(tokens, width, PAD_TOKEN, np.int32)[None]
-    tok, self._cache = _prefill_jit(self._graphdef, self._params, self._cache, toks, slots,
-                                    jnp.array([len(tokens)], jnp.int32), temps, seeds, resume=resume)
+    tok, self._cache = self._programs.prefill(self._leaves, self._cache, toks, slots,
+                                              jnp.array([len(tokens)], jnp.int32), temps, seeds,
+                                              resume=resume)
     return int(tok[0])
 
   def _snapshot(self, slot: int, prefix) -> None:
@@ -445,8 +495,8 @@ class Engine:
       _, evicted = self._snapshots.popitem(last=False)
       self._free_snapshots.append(evicted)
     dst = self._free_snapshots.pop(0)
-    self._cache = _copy_jit(self._graphdef, self._params, self._cache, jnp.array([slot], jnp.int32),
-                             jnp.array([dst], jnp.int32))
+    self._cache = self._programs.copy(self._leaves, self._cache, jnp.array([slot], jnp.int32),
+                                      jnp.array([dst], jnp.int32))
     self._snapshots[key] = dst
 
   def _snapshot_due(self, r: _Request, n: int, run=()) -> bool:
@@ -503,15 +553,15 @@ class Engine:
       tokens = np.full((width, t), PAD_TOKEN, np.int32)
       for i, (r, d) in enumerate(zip(reqs, drafts)):
         tokens[i, :1 + len(d)] = [r.generated[-1]] + d
-      run, emitted, self._cache = _verify_jit(
-          self._graphdef, self._params, self._cache, jnp.asarray(tokens),
+      run, emitted, self._cache = self._programs.verify(
+          self._leaves, self._cache, jnp.asarray(tokens),
           rows([1 + len(d) for d in drafts], 1, np.int32), *per_row,
           replay=cfg.replay, implementation=cfg.implementation)
       run, emitted = np.asarray(run), np.asarray(emitted)
       runs = [run[i, :emitted[i]].tolist() for i in range(len(reqs))]
     else:
-      nxt, self._cache = _decode_jit(
-          self._graphdef, self._params, self._cache,
+      nxt, self._cache = self._programs.decode(
+          self._leaves, self._cache,
           rows([r.generated[-1] for r in reqs], PAD_TOKEN, np.int32), *per_row,
           replay=cfg.replay, implementation=cfg.implementation)
       runs = [[int(tok)] for tok in np.asarray(nxt)[:len(reqs)]]
