@@ -25,8 +25,8 @@ controlled high-acceptance case. Acceptance is a property of model and prompts: 
 gives a lower bound of the speculative gain, ``looping`` an upper one; neither is a real
 checkpoint's acceptance.
 
-Gate: the greedy tokens of every arm are compared with decode-replay's; the fraction of
-requests with identical tokens is reported (replay and conventional round differently in bf16,
+Gate: the greedy tokens of every arm are compared with the first arm's (decode-replay by
+default); the fraction of requests with identical tokens is reported (replay and conventional round differently in bf16,
 so a near-tie can flip an argmax; the smoke run, float32 throughout on CPU, must be identical).
 
     python -m bench.engine_spec --preset qwen3.5-4b --batches 32,256 --drafts 3 --new-tokens 128
@@ -49,7 +49,6 @@ from replayssm_jax.serving import Engine, EngineConfig
 
 ARMS = {"decode-replay": (False, True), "decode-conv": (False, False),
         "spec-replay": (True, True), "spec-conv": (True, False)}   # name: (drafting, replay)
-BASELINE = "decode-replay"
 
 
 def looping_model(model, *, strength=20.0, mixer_scale=0.2, period=4):
@@ -104,10 +103,12 @@ def _serve(model, config, prompts, new_tokens):
           sum(s.drafted_tokens for s in stats), sum(s.accepted_drafts for s in stats))
 
 
-def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps):
+def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps,
+            prefill_batch):
   drafting, replay = ARMS[arm]
   k = drafts if drafting else 0
   config = EngineConfig(max_running=batch, batch_buckets=(batch,), replay=replay, num_drafts=k,
+                        prefill_batch=min(prefill_batch, batch),
                         buffer_len=buffer_len, max_prompt_len=len(prompts[0]),
                         max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype)
   _serve(model, config, prompts, new_tokens)       # compiles prefill, decode and verify
@@ -122,21 +123,25 @@ def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_
 
 
 def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_tokens, prompt_len,
-        phrase, reps, buffer_len, ring_dtype):
+        phrase, reps, buffer_len, ring_dtype, arms=tuple(ARMS), prefill_batch=32, on_group=None):
+  """Every arm of ``arms`` (keys of ARMS; the first is the token baseline) on every batch and
+  prompt set; ``on_group(result so far)`` after each (batch, prompt set)."""
   config = model_config(name)
   model = make_model(config, seed=0)
   if model_kind == "looping":
     model = looping_model(model, mixer_scale=looping_scale)
   common.log(f"{name} ({model_kind} weights): {config.num_layers} layers, vocabulary {config.vocab_size}")
   rows = []
+  result = {"preset": name, "model": model_kind, "config": config.to_dict(), "rows": rows}
   for batch in batches:
     sets = prompt_sets(prompt_names, batch=batch, length=prompt_len, phrase=phrase,
                        vocab=config.vocab_size)
     for prompt_name, prompts in sets.items():
       group, reference = [], None
-      for arm in ARMS:
+      for arm in arms:
         row, tokens = run_arm(model, arm, prompts, batch=batch, drafts=drafts, new_tokens=new_tokens,
-                              buffer_len=buffer_len, ring_dtype=ring_dtype, reps=reps)
+                              buffer_len=buffer_len, ring_dtype=ring_dtype, reps=reps,
+                              prefill_batch=prefill_batch)
         reference = tokens if reference is None else reference
         row.update(preset=name, model=model_kind, prompts=prompt_name, batch=batch,
                    identical_to_baseline=float(np.mean([a == b for a, b in zip(tokens, reference)])))
@@ -146,16 +151,20 @@ def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_t
                    f"{row['tokens_per_step']:.2f} tokens/step/request, acceptance {acc}")
       base = {r["arm"]: r["tokens_per_s"] for r in group}
       for row in group:
-        row["speedup_vs_decode_replay"] = row["tokens_per_s"] / base[BASELINE]
-        row["speedup_vs_decode_conv"] = row["tokens_per_s"] / base["decode-conv"]
+        for ref in ("decode-replay", "decode-conv"):
+          key = "speedup_vs_" + ref.replace("-", "_")
+          row[key] = row["tokens_per_s"] / base[ref] if ref in base else None
       rows += group
-  return {"preset": name, "model": model_kind, "config": config.to_dict(), "rows": rows}
+      if on_group is not None:
+        on_group(result)
+  return result
 
 
 def _table(result) -> str:
   rows = [[str(r["batch"]), r["prompts"], r["arm"], f"{r['tokens_per_s']:.0f}",
            f"{r['tokens_per_step']:.2f}", common.fmt_float(r["acceptance"], ".2f"),
-           f"{r['speedup_vs_decode_conv']:.2f}x", f"{r['speedup_vs_decode_replay']:.2f}x",
+           common.fmt_float(r["speedup_vs_decode_conv"], ".2f"),
+           common.fmt_float(r["speedup_vs_decode_replay"], ".2f"),
            f"{r['identical_to_baseline']:.2f}"] for r in result["rows"]]
   return common.render_table(["B", "prompts", "arm", "tokens/s", "tokens/step", "acceptance",
                               "vs decode-conv", "vs decode-replay", "same tokens"], rows, markdown=True)
@@ -167,11 +176,12 @@ def plot(result, path):
   import matplotlib.pyplot as plt
   groups = list(dict.fromkeys((r["batch"], r["prompts"]) for r in result["rows"]))
   fig, ax = plt.subplots(figsize=(7, 4.2))
-  width = 0.8 / len(ARMS)
-  for j, arm in enumerate(ARMS):
+  arms = list(dict.fromkeys(r["arm"] for r in result["rows"]))
+  width = 0.8 / len(arms)
+  for j, arm in enumerate(arms):
     values = [next(r["tokens_per_s"] for r in result["rows"] if (r["batch"], r["prompts"]) == g
                    and r["arm"] == arm) for g in groups]
-    ax.bar(np.arange(len(groups)) + (j - (len(ARMS) - 1) / 2) * width, values, width, label=arm)
+    ax.bar(np.arange(len(groups)) + (j - (len(arms) - 1) / 2) * width, values, width, label=arm)
   ax.set_xticks(np.arange(len(groups)), [f"B={b}\n{name}" for b, name in groups])
   ax.set_ylabel("generated tokens/s")
   ax.set_title(f"serving.Engine, {result['preset']} ({result['model']} weights)")
@@ -197,6 +207,8 @@ def main(argv=None) -> dict:
   p.add_argument("--buffer-len", type=int, default=None,
                  help="ReplaySSM L (None: the engine's default for each T)")
   p.add_argument("--ring-dtype", default="bfloat16", help="ReplaySSM ring dtype ('none': the model's)")
+  p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+  p.add_argument("--prefill-batch", type=int, default=32, help="EngineConfig.prefill_batch")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out-json", default=None)
   p.add_argument("--plot", default=None, help="write the tokens/s plot (PNG) here")
@@ -206,16 +218,20 @@ def main(argv=None) -> dict:
     args.ring_dtype = "none"
   if args.drafts < 1:
     p.error(f"--drafts={args.drafts}; expected >= 1")
+  arms = tuple(args.arms.split(","))
+  if not arms or any(a not in ARMS for a in arms):
+    p.error(f"--arms={args.arms!r}; expected a comma-separated subset of {', '.join(ARMS)}")
+  meta = common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.engine_spec")
+  save = lambda result: args.out_json and common.write_json(args.out_json, {"meta": meta, "result": result})
   result = run(args.preset, model_kind=args.model, looping_scale=args.looping_scale, prompt_names=args.prompts.split(","),
                batches=[int(b) for b in args.batches.split(",")], drafts=args.drafts,
                new_tokens=args.new_tokens, prompt_len=args.prompt_len, phrase=args.phrase,
                reps=args.reps, buffer_len=args.buffer_len,
-               ring_dtype=None if args.ring_dtype == "none" else args.ring_dtype)
+               ring_dtype=None if args.ring_dtype == "none" else args.ring_dtype, arms=arms,
+               prefill_batch=args.prefill_batch, on_group=save)
   print(_table(result))
-  out = {"meta": common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.engine_spec"),
-         "result": result}
-  if args.out_json:
-    common.write_json(args.out_json, out)
+  out = {"meta": meta, "result": result}
+  save(result)
   if args.plot:
     plot(result, args.plot)
   return out
