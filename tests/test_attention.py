@@ -197,3 +197,40 @@ def test_in_place_and_gathered_reads_agree():
   y1, c1 = layer.step(x, permuted, jnp.asarray(perm, jnp.int32), start, valid)
   np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(c1.k)[perm], np.asarray(c0.k))
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_step_matches_the_xla_step(cache_dtype):
+  """``implementation="pallas_triton"`` (the decode-attention kernel, interpreted here) gives the
+  XLA step's outputs and caches: permuted slots in a larger pool, a padding row, decode (T = 1) and
+  verify (T = 3, a padded lane), rows from position 0 to the end of the cache."""
+  layer = _layer(CONFIGS["qwen"])
+  rng = np.random.RandomState(6)
+  base = layer.init_cache(6, 24, dtype=cache_dtype)
+  base = AttentionLayerCache(k=jnp.asarray(rng.normal(size=base.k.shape), cache_dtype),
+                             v=jnp.asarray(rng.normal(size=base.v.shape), cache_dtype))
+  slots = jnp.array([4, -1, 0, 5], jnp.int32)
+  for t, start, valid in ((1, [0, 0, 16, 23], [[True]] * 4),
+                          (3, [15, 2, 0, 21], [[True] * 3, [True] * 3, [True] * 3, [True, False, False]])):
+    x = jnp.asarray(rng.normal(size=(4, t, D)), jnp.float32)
+    args = (x, base, slots, jnp.array(start, jnp.int32), jnp.array(valid))
+    y_xla, c_xla = layer.step(*args, implementation="xla")
+    y_tri, c_tri = layer.step(*args, implementation="pallas_triton")
+    y_auto, _ = layer.step(*args)
+    tol = 1e-5 if cache_dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(y_tri), np.asarray(y_xla), rtol=tol, atol=tol)
+    assert not np.any(np.asarray(y_tri[1]))                     # the padding row
+    np.testing.assert_array_equal(np.asarray(c_tri.k), np.asarray(c_xla.k))
+    np.testing.assert_array_equal(np.asarray(c_tri.v), np.asarray(c_xla.v))
+    np.testing.assert_array_equal(np.asarray(y_auto), np.asarray(y_xla))   # CPU: auto is XLA
+
+
+def test_kernel_step_refuses_shapes_it_cannot_run():
+  """Head size 8 is below the kernel's smallest tensor-core product: the named kernel raises,
+  the automatic choice still runs (XLA)."""
+  layer = _layer(CONFIGS["nemotron"])
+  args = (jnp.zeros((1, 1, D), jnp.float32), layer.init_cache(1, 16), jnp.array([0], jnp.int32),
+          jnp.array([2], jnp.int32), jnp.ones((1, 1), bool))
+  with pytest.raises(NotImplementedError, match="Dh=8"):
+    layer.step(*args, implementation="pallas_triton")
+  layer.step(*args)

@@ -750,3 +750,27 @@ def test_model_trace_smoke(tmp_path):
   assert data["meta"]["command"].startswith("python -m bench.model_trace --smoke")
   assert [(r["mode"], r["implementation"]) for r in result["runs"]] == [("replay", "none")]
   assert data["runs"][0]["kernels"] == [] and data["runs"][0]["us_per_step"] == 0
+
+
+def test_attention_decode_smoke_gates_and_times_every_arm(tmp_path, monkeypatch):
+  """``python -m bench.attention_decode --smoke``: one row per arm with a passing gate and a time;
+  a kernel whose outputs are off fails its gate."""
+  import jax.numpy as jnp
+
+  from bench import attention_decode
+  from replayssm_jax.pallas import attention_triton
+  out = tmp_path / "attention.json"
+  argv = ["--smoke", "--tokens", "2", "--reps", "2", "--rep-seconds", "0.001", "--out-json", str(out)]
+  attention_decode.main(argv)
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["arm"] for r in rows] == list(attention_decode.ARMS)
+  assert all(r["gate"] == "ok" and r["median_ms"] > 0 and r["gbps"] > 0 for r in rows)
+  assert all("vs_xla" in r["gate_rel_l2"] for r in rows if r["arm"].startswith("kernel"))
+  assert attention_decode.parse_config("bk64w8p2") == (("block_kv", 64), ("num_splits", 2), ("num_warps", 8))
+
+  real = attention_triton.decode_attention
+  monkeypatch.setattr(attention_triton, "decode_attention",
+                      lambda *a, **kw: jnp.roll(real(*a, **kw), 1, axis=2))   # heads swapped
+  attention_decode.main([*argv, "--arms", "kernel-permuted"])
+  row, = json.loads(out.read_text())["rows"]
+  assert row["gate"] == "FAILED"

@@ -19,7 +19,8 @@ holds a sequence of ``positions[n]`` tokens at cache positions ``0 .. positions[
 past it get zero weight (a prefill of a new sequence zeroes the slot's row first, so they are
 finite). Prefill, decode and speculative verify are the same step
 (``step``): write the new tokens' k, v at ``start[b] + t``, then attend over the slot's cache row
-with the causal mask ``j ≤ start[b] + t``. Rollback after verify is only the caller's position
+with the causal mask ``j ≤ start[b] + t`` (on a GPU, for decode and verify, the Pallas-Triton kernel
+``pallas.attention_triton`` reads each row's slot in place, up to its last position). Rollback after verify is only the caller's position
 update (rejected drafts sit past the position and are overwritten later). Padding rows (slot < 0)
 and padded lanes write nothing.
 """
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax import _checks, _slots
+from replayssm_jax import _checks, _dispatch, _slots
 
 f32 = jnp.float32
 
@@ -118,6 +119,29 @@ def rotary(x, positions, rotary_dim: int, theta: float):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
+def attend_xla(q, k_pool, v_pool, slots, pos, *, scale):
+  """Causal attention of q [B, T, H, Dh] over the slots' KV rows [N, S, Hkv, Dh] with XLA: lane t
+  of row b attends positions ``<= pos[b, t]``. In the cache dtype with float32 logits and softmax
+  (grouped heads, no KV copy per head). Returns float32 [B, T, H, Dh] (padding rows: garbage)."""
+  bsz, s = q.shape[0], k_pool.shape[1]
+  mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]                 # [B, T, S]
+
+  def attend(keys, values):                                                                # [B, S, Hkv, Dh]
+    return jax.nn.dot_product_attention(q.astype(keys.dtype), keys, values, mask=mask[:, None],
+                                        scale=scale)
+
+  gathered = lambda: attend(_slots.gather(k_pool, slots), _slots.gather(v_pool, slots))
+  if k_pool.shape[0] == bsz:
+    # Row b on slot b (a generate loop, a pool the size of the batch): read the pool in place.
+    # The slot gather copies every row first, and that copy cost 4x the attention itself
+    # (H200, Qwen3.5-4B attention layer, B = 256, 1040 tokens: 1.46 ms gather, 0.37 ms attention).
+    identity = jnp.all(slots == jnp.arange(bsz, dtype=slots.dtype))
+    o = jax.lax.cond(identity, lambda: attend(k_pool, v_pool), gathered)
+  else:
+    o = gathered()
+  return o.astype(f32)
+
+
 class Attention(nnx.Module):
   """Softmax attention mixer: ``[B, T, D] → [B, T, D]`` over a slot-pool KV cache.
 
@@ -157,7 +181,8 @@ class Attention(nnx.Module):
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.rms_eps)
     return x * (self.config.norm_offset + weight[...].astype(f32))
 
-  def step(self, x, cache: AttentionLayerCache, slots, start, valid, *, fresh=False):
+  def step(self, x, cache: AttentionLayerCache, slots, start, valid, *, fresh=False,
+           implementation=None):
     """T tokens per row at positions ``start[b] + t``: write their k, v, attend causally.
 
     Args:
@@ -170,6 +195,10 @@ class Attention(nnx.Module):
       fresh: the rows start new sequences (a prefill from position 0): their slots' KV rows are
         zeroed first, so nothing an earlier sequence left past the new position (even a
         non-finite value) can reach a weighted sum through a zero weight.
+      implementation: the attention over the cache (``_dispatch``): "pallas_triton" reads each
+        row's slot in place with ``pallas.attention_triton`` (T <= 16), "xla" runs
+        ``jax.nn.dot_product_attention`` over the whole row; None = the kernel on a GPU where it
+        handles the shapes, else XLA.
 
     Returns:
       (y [B, T, D] in the layer dtype, cache).
@@ -209,23 +238,13 @@ class Attention(nnx.Module):
     kc = kc.at[row, pos].set(k, mode="drop", unique_indices=True)
     vc = vc.at[row, pos].set(v, mode="drop", unique_indices=True)
 
-    mask = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]                 # [B, T, S]
+    def run_triton():
+      from replayssm_jax.pallas import attention_triton
+      return attention_triton.decode_attention(q, kc, vc, slots, start, scale=c.logit_scale)
 
-    def attend(keys, values):                                                              # [B, S, Hkv, Dh]
-      # In the cache dtype with float32 logits and softmax (grouped heads, no KV copy per head).
-      return jax.nn.dot_product_attention(q.astype(keys.dtype), keys, values, mask=mask[:, None],
-                                          scale=c.logit_scale)
-
-    gathered = lambda: attend(_slots.gather(kc, slots), _slots.gather(vc, slots))
-    if n == bsz:
-      # Row b on slot b (a generate loop, a pool the size of the batch): read the pool in place.
-      # The slot gather copies every row first, and that copy cost 4x the attention itself
-      # (H200, Qwen3.5-4B attention layer, B = 256, 1040 tokens: 1.46 ms gather, 0.37 ms attention).
-      identity = jnp.all(slots == jnp.arange(bsz, dtype=slots.dtype))
-      o = jax.lax.cond(identity, lambda: attend(kc, vc), gathered)
-    else:
-      o = gathered()
-    o = o.astype(f32)                                                                      # [B, T, H, Dh]
+    o = _dispatch.run("attention.step", implementation,                                  # [B, T, H, Dh]
+                      {"xla": lambda: attend_xla(q, kc, vc, slots, pos, scale=c.logit_scale),
+                       "pallas_triton": run_triton})
     if c.output_gate:
       o = o * jax.nn.sigmoid(gate.astype(f32))
     y = self.o_proj(o.reshape(bsz, t, c.num_heads * c.head_dim).astype(self.dtype))

@@ -388,6 +388,13 @@ class Block(nnx.Module):
     return (self.mixer.mamba2, self.mixer.attention) if self.layer_type == "parallel" else (self.mixer,)
 
 
+def _attention_implementation(implementation):
+  """The attention layers' implementation under a model-level one: the same name where the
+  attention step has it ("xla", "pallas_triton"); None (its automatic choice) under
+  "pallas_mosaic", which names the recurrent kernels only (there is no Mosaic attention)."""
+  return None if implementation == "pallas_mosaic" else implementation
+
+
 class LM(nnx.Module):
   """embedding → blocks → final RMSNorm → head. ``prefill`` / ``decode`` take and return ``LMCache``."""
 
@@ -562,7 +569,8 @@ class LM(nnx.Module):
       cache: LMCache.
       slots: int32[B] pool slots (negative = padding row: no cache change, logits meaningless).
       replay: ReplaySSM decode (True) or conventional decode on the checkpoint pool (False).
-      implementation: forwarded to the GDN / Mamba2 ops.
+      implementation: forwarded to the GDN / Mamba2 ops and the attention layers
+        (``_attention_implementation``).
       force_flush: optional bool[B]: these rows fold their window into the checkpoint this step
         (e.g. at a prefix-cache block boundary), leaving an empty window. Replay mode only
         matters; conventional mode always writes the state.
@@ -585,7 +593,8 @@ class LM(nnx.Module):
 
     def mixer_fn(mixer, x, lc):
       if isinstance(lc, AttentionLayerCache):
-        y, lc = mixer.step(x[:, None], lc, slots, start, live[:, None])
+        y, lc = mixer.step(x[:, None], lc, slots, start, live[:, None],
+                           implementation=_attention_implementation(implementation))
         return y[:, 0], lc
       return mixer.decode(x, lc, plan, replay=replay, implementation=implementation)
 
@@ -628,7 +637,7 @@ class LM(nnx.Module):
       replay: ReplaySSM verify (True: drafts in the rings) or conventional verify (False: the
         states after every token in the stacks of an ``init_cache(verify_stacks=True)`` cache).
       implementation: forwarded to ``gdn.replay_verify`` / ``mamba2.replay_verify`` (or their
-        ``verify_conventional``).
+        ``verify_conventional``) and the attention layers (``_attention_implementation``).
       force_flush: optional bool[B], as in ``decode`` (ReplaySSM only matters).
 
     Returns:
@@ -655,7 +664,8 @@ class LM(nnx.Module):
       if isinstance(lc, AttentionLayerCache):
         windows.append(None)
         stacks_out.append(None)
-        return mixer.step(x, lc, slots, start, valid)
+        return mixer.step(x, lc, slots, start, valid,
+                          implementation=_attention_implementation(implementation))
       if replay:
         y, lc, window = mixer.verify(x, lc, plan, lengths=lengths, implementation=implementation)
       else:
