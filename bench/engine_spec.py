@@ -123,9 +123,9 @@ def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_
 
 
 def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_tokens, prompt_len,
-        phrase, reps, buffer_len, ring_dtype, arms=tuple(ARMS), prefill_batch=32, on_group=None):
+        phrase, reps, buffer_len, ring_dtype, arms=tuple(ARMS), prefill_batch=32, on_arm=None):
   """Every arm of ``arms`` (keys of ARMS; the first is the token baseline) on every batch and
-  prompt set; ``on_group(result so far)`` after each (batch, prompt set)."""
+  prompt set; ``on_arm(result so far)`` after each arm."""
   config = model_config(name)
   model = make_model(config, seed=0)
   if model_kind == "looping":
@@ -149,14 +149,14 @@ def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_t
         acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         common.log(f"  B={batch} {prompt_name:10s} {arm:13s} {row['tokens_per_s']:9.0f} tokens/s, "
                    f"{row['tokens_per_step']:.2f} tokens/step/request, acceptance {acc}")
+        if on_arm is not None:
+          on_arm(dict(result, rows=rows + group))
       base = {r["arm"]: r["tokens_per_s"] for r in group}
       for row in group:
         for ref in ("decode-replay", "decode-conv"):
           key = "speedup_vs_" + ref.replace("-", "_")
           row[key] = row["tokens_per_s"] / base[ref] if ref in base else None
       rows += group
-      if on_group is not None:
-        on_group(result)
   return result
 
 
@@ -228,7 +228,7 @@ def main(argv=None) -> dict:
                new_tokens=args.new_tokens, prompt_len=args.prompt_len, phrase=args.phrase,
                reps=args.reps, buffer_len=args.buffer_len,
                ring_dtype=None if args.ring_dtype == "none" else args.ring_dtype, arms=arms,
-               prefill_batch=args.prefill_batch, on_group=save)
+               prefill_batch=args.prefill_batch, on_arm=save)
   print(_table(result))
   out = {"meta": meta, "result": result}
   save(result)
