@@ -439,9 +439,11 @@ class Engine:
     return finished
 
   def _rows(self, values, width, fill, dtype):
+    """``values`` padded with ``fill`` to ``width``: a host array (the jitted step moves it to the
+    device in its C++ dispatch, cheaper than a ``jnp.asarray`` per input)."""
     out = np.full((width,), fill, dtype)
     out[:len(values)] = values
-    return jnp.asarray(out)
+    return out
 
   def _prefill_group(self, reqs: list) -> list:
     """Whole prompts of ``reqs`` in one prefill (width 1 or ``prefill_batch``); first tokens."""
@@ -451,7 +453,7 @@ class Engine:
       tokens[i, :len(r.prompt)] = r.prompt
     rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
     tok, self._cache = self._programs.prefill(
-        self._leaves, self._cache, jnp.asarray(tokens), rows([r.slot for r in reqs], -1, np.int32),
+        self._leaves, self._cache, tokens, rows([r.slot for r in reqs], -1, np.int32),
         rows([len(r.prompt) for r in reqs], 0, np.int32), rows([r.temperature for r in reqs], 0.0, np.float32),
         rows([r.seed for r in reqs], 0, np.int32), resume=False)
     return np.asarray(tok)[:len(reqs)].tolist()
@@ -554,7 +556,7 @@ class Engine:
       for i, (r, d) in enumerate(zip(reqs, drafts)):
         tokens[i, :1 + len(d)] = [r.generated[-1]] + d
       run, emitted, self._cache = self._programs.verify(
-          self._leaves, self._cache, jnp.asarray(tokens),
+          self._leaves, self._cache, tokens,
           rows([1 + len(d) for d in drafts], 1, np.int32), *per_row,
           replay=cfg.replay, implementation=cfg.implementation)
       run, emitted = np.asarray(run), np.asarray(emitted)
