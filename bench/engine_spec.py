@@ -13,7 +13,9 @@ B, each a fresh ``Engine`` with ``max_running = B`` and one batch bucket B:
 Timed: the decode phase, from the first step after the last request was admitted to the last
 step, on the host clock (every step ends in a host read of its tokens, so the clock sees the
 device's work). tokens/s = tokens generated in that window / its seconds. Acceptance rate =
-accepted drafts / drafted tokens (``RequestStats``); tokens per step = generated / steps. Each arm
+accepted drafts / drafted tokens (``RequestStats``); tokens per step = generated / steps. Each
+step's time splits into the jitted call (dispatch), the wait for its outputs (device) and the
+rest (the engine's host work: scheduling, drafts, inputs, bookkeeping), as ms per step. Each arm
 first runs the same requests once (compiling the prefill, decode and verify programs), then the
 timed run, ``--reps`` times; the median run is reported.
 
@@ -34,6 +36,7 @@ so a near-tie can flip an argmax; the smoke run, float32 throughout on CPU, must
     python -m bench.engine_spec --smoke        # CPU: the tiny Qwen3.5 checkpoint's shape, B = 2
 """
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -85,22 +88,43 @@ def prompt_sets(names, *, batch, length, phrase, vocab, seed=0) -> dict:
   return out
 
 
+class _StepClock:
+  """Wraps a jitted engine step: seconds in the call (dispatch) and waiting for its outputs (the
+  device; the engine reads them on the host right after, so the wait moves, nothing is added)."""
+
+  def __init__(self, fn):
+    self.fn, self.dispatch, self.wait = fn, 0.0, 0.0
+
+  def __call__(self, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = self.fn(*args, **kwargs)
+    t1 = time.perf_counter()
+    jax.block_until_ready(out)
+    self.dispatch, self.wait = self.dispatch + t1 - t0, self.wait + time.perf_counter() - t1
+    return out
+
+
 def _serve(model, config, prompts, new_tokens):
-  """One run: returns (tokens per request, decode-phase seconds, steps, drafted, accepted)."""
+  """One run: returns (tokens per request, decode-phase seconds, steps, drafted, accepted,
+  {dispatch, device wait, host: seconds of the decode phase})."""
   engine = Engine(model, config)
   ids = [engine.submit(p, max_new_tokens=new_tokens) for p in prompts]
   engine.step()                      # admits (prefills) every request, then one step
   first = sum(len(engine.outputs()[i]) for i in ids)
+  clocks = {name: _StepClock(getattr(engine._programs, name)) for name in ("decode", "verify")}
+  engine._programs = dataclasses.replace(engine._programs, **clocks)
   steps, t0 = 0, time.perf_counter()
   while not engine.idle:
     engine.step()
     steps += 1
   seconds = time.perf_counter() - t0
+  dispatch, wait = (sum(getattr(c, k) for c in clocks.values()) for k in ("dispatch", "wait"))
   out = engine.outputs()
   stats = [engine.stats(i) for i in ids]
   tokens = [out[i] for i in ids]
   return (tokens, seconds, steps, sum(len(t) for t in tokens) - first,
-          sum(s.drafted_tokens for s in stats), sum(s.accepted_drafts for s in stats))
+          sum(s.drafted_tokens for s in stats), sum(s.accepted_drafts for s in stats),
+          {"dispatch": dispatch, "device_wait": wait, "host": seconds - dispatch - wait})
 
 
 def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps,
@@ -113,11 +137,12 @@ def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_
                         max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype)
   _serve(model, config, prompts, new_tokens)       # compiles prefill, decode and verify
   runs = sorted((_serve(model, config, prompts, new_tokens) for _ in range(reps)), key=lambda r: r[1])
-  tokens, seconds, steps, generated, drafted, accepted = runs[len(runs) // 2]
+  tokens, seconds, steps, generated, drafted, accepted, split = runs[len(runs) // 2]
   return {"arm": arm, "replay": replay, "num_drafts": k, "buffer_len": config.buffer_len,
           "seconds": seconds, "all_seconds": [r[1] for r in runs], "steps": steps,
           "generated": generated, "tokens_per_s": generated / seconds,
           "tokens_per_step": generated / max(steps, 1) / batch,
+          "ms_per_step": {k: 1e3 * v / max(steps, 1) for k, v in split.items()},
           "drafted": drafted, "accepted": accepted,
           "acceptance": accepted / drafted if drafted else None}, tokens
 
@@ -147,8 +172,10 @@ def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_t
                    identical_to_baseline=float(np.mean([a == b for a, b in zip(tokens, reference)])))
         group.append(row)
         acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+        ms = row["ms_per_step"]
         common.log(f"  B={batch} {prompt_name:10s} {arm:13s} {row['tokens_per_s']:9.0f} tokens/s, "
-                   f"{row['tokens_per_step']:.2f} tokens/step/request, acceptance {acc}")
+                   f"{row['tokens_per_step']:.2f} tokens/step/request, acceptance {acc}; ms/step: "
+                   f"dispatch {ms['dispatch']:.2f}, device wait {ms['device_wait']:.2f}, host {ms['host']:.2f}")
         if on_arm is not None:
           on_arm(dict(result, rows=rows + group))
       base = {r["arm"]: r["tokens_per_s"] for r in group}

@@ -35,6 +35,9 @@ def test_engine_spec_smoke(tmp_path):
       (p, a) for p in ("random", "repetitive") for a in engine_spec.ARMS}
   # every arm emits the greedy tokens of standard ReplaySSM decode,
   assert all(r["identical_to_baseline"] == 1.0 and r["tokens_per_s"] > 0 for r in rows)
+  # the step's time splits into dispatch, device wait and host work (all measured, non-negative),
+  assert all(set(r["ms_per_step"]) == {"dispatch", "device_wait", "host"}
+             and min(r["ms_per_step"].values()) >= 0 and r["ms_per_step"]["dispatch"] > 0 for r in rows)
   # the decode arms draft nothing and the drafting arms verify drafts, accepting some on the
   # repetitive prompts (more than one token per step).
   for r in rows:
