@@ -9,6 +9,8 @@ a GatedDeltaNet LM and a hybrid of GatedDeltaNet, attention (KV cache) and MoE l
   flush: the snapshot's ring window is empty) gives the tokens of a cold run; a cache that never
   hits warns; bad prompts, sampling options, configs and damaged checkpoints raise ValueError.
 """
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -101,6 +103,59 @@ def test_stop_tokens_and_sampling_are_per_request(model, solo):
   engine = Engine(model, CFG)
   s2 = engine.submit(PROMPTS[2], max_new_tokens=8, temperature=1.0, seed=5)  # alone, other slot mix
   assert engine.run()[s2] == out[s1] != solo[2][:8]
+
+
+OVERLAP = EngineConfig(**BASE, overlap=True)
+
+
+def test_overlapped_steps_emit_the_same_tokens(model, solo, tmp_path, monkeypatch):
+  programs, tokens_given = engine_module._programs, []   # per decode: input tokens on the device?
+
+  def recording(*key):
+    decode = programs(*key).decode
+
+    def wrapped(*args, **kwargs):
+      tokens_given.append(isinstance(args[2], jax.Array))
+      return decode(*args, **kwargs)
+    return dataclasses.replace(programs(*key), decode=wrapped)
+  # Given overlapped steps (step t + 1 dispatched from step t's device tokens) in the schedules
+  # of the join test: requests joining, waiting for a slot, finishing at different steps,
+  monkeypatch.setattr(engine_module, "_programs", recording)
+  a, _, _ = _run_schedule(model, [0, 1, 2, 3], [0, 0, 0, 2], OVERLAP)
+  b, _, _ = _run_schedule(model, [3, 2, 1, 0], [3, 1, 0, 0], OVERLAP)
+  monkeypatch.undo()
+  # then every request gets its solo tokens, and most steps were chained on the device.
+  assert a == solo and b == solo
+  assert sum(tokens_given) > len(tokens_given) / 2 and not all(tokens_given)
+  # Stop tokens (a chained row computes past its stop: nobody reads it) and sampling agree with
+  # synchronous steps,
+  def submit_three(config):
+    engine = Engine(model, config)
+    ids = [engine.submit(PROMPTS[1], max_new_tokens=NEW[1], stop_tokens=(solo[1][3],)),
+           engine.submit(PROMPTS[0], max_new_tokens=NEW[0]),
+           engine.submit(PROMPTS[2], max_new_tokens=8, temperature=1.0, seed=5)]
+    return engine, ids
+  (sync, ids), (over, over_ids) = submit_three(CFG), submit_three(OVERLAP)
+  expected, got = sync.run(), over.run()
+  assert [got[i] for i in over_ids] == [expected[i] for i in ids]
+  assert got[over_ids[0]] == solo[1][:4]
+  # and a preempt with a step in flight collects it first: the resumed engine finishes exactly.
+  def start():
+    engine = Engine(model, OVERLAP)
+    for i in range(4):
+      engine.submit(PROMPTS[i], max_new_tokens=NEW[i] + 4, request_id=f"r{i}")
+    return engine
+  _, expected, engine, resumed = preempted(start, 5, tmp_path / "ckpt")
+  assert resumed.run() == expected
+
+
+def test_overlap_refuses_drafting_and_prefix_caching():
+  with pytest.raises(NotImplementedError, match="overlap=True with num_drafts=2"):
+    EngineConfig(**BASE, overlap=True, num_drafts=2)
+  with pytest.raises(NotImplementedError, match="prefix_block=8"):
+    EngineConfig(**BASE, overlap=True, prefix_block=8)
+  with pytest.raises(ValueError, match="overlap=1"):
+    EngineConfig(**BASE, overlap=1)
 
 
 def preempted(start, steps, directory):

@@ -51,6 +51,15 @@ plus the host scheduler state (requests, slots, snapshots, clocks) as JSON and c
 see the same arrays (the drafters are rebuilt from each request's tokens: they are a function of
 them).
 
+Overlapped steps (``overlap=True``, plain decode): a step is dispatched before the host reads
+the tokens of the one before, from those tokens on the device, so the host's work (reading
+tokens, stop and length checks, bookkeeping) runs while the device computes the next step. While
+requests wait for a slot, the engine collects first and admits as usual. A row that reaches
+``max_new_tokens`` in the step in flight is a padding row of the next; one that hits a stop token
+there computes one more token into the slot it frees, which nobody reads (the next request in
+that slot starts from a fresh prefill). Tokens are those of synchronous steps; ``step()`` reports
+a request finished one call later. ``preempt`` collects the step in flight first.
+
 Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
 request, so tokens never depend on the batch a request shares (speculative draws derive from the
 same per-position key, ``models.sampling``). Stats per request: prompt and
@@ -112,6 +121,10 @@ class EngineConfig:
       it is refused at ``submit``.
     state_dtype, ring_dtype: cache dtypes (see ``LM.init_cache``).
     implementation: forwarded to the GDN / Mamba2 ops (None = fastest available).
+    overlap: dispatch each decode step from the previous step's tokens on the device before the
+      host reads them, so the host's bookkeeping of step t runs while step t + 1 computes (see
+      the module docstring). Plain decode only: with drafting or prefix caching it raises
+      NotImplementedError.
   """
   max_running: int = 4
   batch_buckets: tuple = (1, 2, 4)
@@ -127,6 +140,7 @@ class EngineConfig:
   state_dtype: str = "float32"
   ring_dtype: str | None = None
   implementation: str | None = None
+  overlap: bool = False
 
   def __post_init__(self):
     for name, lo in (("max_running", 1), ("prefill_batch", 1), ("prefix_block", 0), ("prefix_slots", 0),
@@ -157,8 +171,14 @@ class EngineConfig:
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"{name}={value!r}; expected None or an int >= 1")
-    if not isinstance(self.replay, bool):
-      raise ValueError(f"replay={self.replay!r}; expected a bool")
+    for name in ("replay", "overlap"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r}; expected a bool")
+    if self.overlap and (self.num_drafts or self.prefix_block):
+      raise NotImplementedError(
+          f"overlap=True with num_drafts={self.num_drafts}, prefix_block={self.prefix_block}: "
+          f"overlapped steps are plain decode steps (drafts and snapshots need each step's tokens "
+          f"on the host first); use overlap=False")
 
   @property
   def num_slots(self) -> int:
@@ -180,6 +200,15 @@ class RequestStats:
   time_to_first_token_s: float
   decode_tokens_per_s: float
   total_s: float
+
+
+@dataclasses.dataclass
+class _InFlight:
+  """A dispatched decode step whose tokens the host has not read: row i is ``reqs[i]`` where
+  ``live[i]`` (else a padding row), ``tokens`` int32[width] on the device."""
+  reqs: list
+  live: list
+  tokens: jax.Array
 
 
 @dataclasses.dataclass
@@ -308,6 +337,7 @@ class Engine:
     self._warned = False
     self._clock_base, self._t0 = 0.0, time.perf_counter()
     self._closed = False
+    self._inflight: _InFlight | None = None
 
   # ---- public API ----------------------------------------------------------------------------
 
@@ -365,16 +395,19 @@ class Engine:
 
   @property
   def idle(self) -> bool:
-    """No request waiting or running."""
-    return not self._waiting and not self._running
+    """No request waiting or running (and, with ``overlap``, no step in flight)."""
+    return not self._waiting and not self._running and self._inflight is None
 
   def step(self) -> list:
     """Admits waiting requests, runs one decode (or verify) step for every running request;
     returns the ids that finished during this step."""
     self._check_open()
-    finished = self._admit()
-    if self._running:
-      finished += self._decode()
+    if self.config.overlap:
+      finished = self._overlapped_step()
+    else:
+      finished = self._admit()
+      if self._running:
+        finished += self._decode()
     self.steps += 1
     return finished
 
@@ -584,6 +617,53 @@ class Engine:
         self._drafters[r.rid].extend(run)
     return finished
 
+  def _overlapped_step(self) -> list:
+    """Collects the step in flight and dispatches the next. While no request waits, the next
+    step is dispatched first, from the device tokens of the one in flight (same rows; a row that
+    reaches max_new_tokens there becomes a padding row, one that hits a stop token there computes
+    a token nobody reads, into the slot it frees); otherwise the host collects, admits, and
+    dispatches from its own tokens."""
+    prev, self._inflight, finished = self._inflight, None, []
+    if prev is not None and not self._waiting:
+      live = [ok and not r.done and len(r.generated) + 1 < r.max_new_tokens
+              for r, ok in zip(prev.reqs, prev.live)]
+      if any(live):
+        self._inflight = self._dispatch(prev.reqs, live, prev.tokens,
+                                        [len(r.generated) + 1 for r in prev.reqs])
+    if prev is not None:
+      finished = self._collect(prev)
+    if self._inflight is None:
+      finished += self._admit()
+      if self._running:
+        reqs = [self._requests[rid] for rid in self._running]
+        self._inflight = self._dispatch(reqs, [True] * len(reqs), [r.generated[-1] for r in reqs],
+                                        [len(r.generated) for r in reqs])
+    return finished
+
+  def _dispatch(self, reqs, live, tokens, positions) -> _InFlight:
+    """One decode step of ``reqs`` (rows with ``live`` False are padding rows) from ``tokens``
+    (a host list or the device tokens of the step before), not waited for."""
+    cfg = self.config
+    width = next(b for b in cfg.batch_buckets if b >= len(reqs))
+    rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
+    if not isinstance(tokens, jax.Array):
+      tokens = rows(tokens, PAD_TOKEN, np.int32)
+    slots = rows([r.slot if ok else -1 for r, ok in zip(reqs, live)], -1, np.int32)
+    nxt, self._cache = self._programs.decode(
+        self._leaves, self._cache, tokens, slots, np.zeros((width,), bool),
+        rows([r.temperature for r in reqs], 0.0, np.float32), rows([r.seed for r in reqs], 0, np.int32),
+        rows(positions, 0, np.int32), replay=cfg.replay, implementation=cfg.implementation)
+    return _InFlight(reqs=reqs, live=live, tokens=nxt)
+
+  def _collect(self, step: _InFlight) -> list:
+    """Reads a dispatched step's tokens and appends them to its live, unfinished rows."""
+    finished = []
+    for r, ok, tok in zip(step.reqs, step.live, np.asarray(step.tokens).tolist()):
+      if ok and not r.done and self._append(r, tok):
+        finished.append(r.rid)
+        self._running.remove(r.rid)
+    return finished
+
   def _append(self, r: _Request, token: int) -> bool:
     """Records a generated token; retires the request (frees its slot) when it is done."""
     r.generated.append(token)
@@ -610,6 +690,9 @@ class Engine:
     """Writes params, cache (Orbax) and scheduler state (JSON) to ``directory``; closes the engine."""
     import orbax.checkpoint as ocp
     self._check_open()
+    if self._inflight is not None:   # the state on disk covers every dispatched step
+      self._collect(self._inflight)
+      self._inflight = None
     path = pathlib.Path(directory).absolute()
     path.mkdir(parents=True, exist_ok=True)
     # A synchronous checkpointer, closed on exit: no background commit thread outlives the call.
