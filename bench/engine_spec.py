@@ -10,6 +10,9 @@ B, each a fresh ``Engine`` with ``max_running = B`` and one batch bucket B:
   spec-conv       num_drafts = k, replay = False     (n-gram drafts, conventional verify:
                                                       k + 1 states per slot, ``verify_stacks``)
 
+and, named in ``--arms`` only, ``decode-replay-overlap`` (decode-replay with
+``EngineConfig.overlap``: each step dispatched before the host reads the previous one's tokens).
+
 Timed: the decode phase, from the first step after the last request was admitted to the last
 step, on the host clock (every step ends in a host read of its tokens, so the clock sees the
 device's work). tokens/s = tokens generated in that window / its seconds. Acceptance rate =
@@ -50,8 +53,10 @@ from bench.model_e2e import model_config
 from replayssm_jax.models import make_model
 from replayssm_jax.serving import Engine, EngineConfig
 
-ARMS = {"decode-replay": (False, True), "decode-conv": (False, False),
-        "spec-replay": (True, True), "spec-conv": (True, False)}   # name: (drafting, replay)
+ARMS = {"decode-replay": (False, True, False), "decode-conv": (False, False, False),
+        "spec-replay": (True, True, False), "spec-conv": (True, False, False),
+        "decode-replay-overlap": (False, True, True)}   # name: (drafting, replay, overlap)
+DEFAULT_ARMS = ("decode-replay", "decode-conv", "spec-replay", "spec-conv")
 
 
 def looping_model(model, *, strength=20.0, mixer_scale=0.2, period=4):
@@ -90,16 +95,19 @@ def prompt_sets(names, *, batch, length, phrase, vocab, seed=0) -> dict:
 
 class _StepClock:
   """Wraps a jitted engine step: seconds in the call (dispatch) and waiting for its outputs (the
-  device; the engine reads them on the host right after, so the wait moves, nothing is added)."""
+  device; a synchronous engine reads them on the host right after, so the wait moves, nothing is
+  added). ``wait=False`` (overlapped steps, whose outputs are read a step later) times the call
+  only."""
 
-  def __init__(self, fn):
-    self.fn, self.dispatch, self.wait = fn, 0.0, 0.0
+  def __init__(self, fn, *, wait):
+    self.fn, self.blocks, self.dispatch, self.wait = fn, wait, 0.0, 0.0
 
   def __call__(self, *args, **kwargs):
     t0 = time.perf_counter()
     out = self.fn(*args, **kwargs)
     t1 = time.perf_counter()
-    jax.block_until_ready(out)
+    if self.blocks:
+      jax.block_until_ready(out)
     self.dispatch, self.wait = self.dispatch + t1 - t0, self.wait + time.perf_counter() - t1
     return out
 
@@ -111,7 +119,8 @@ def _serve(model, config, prompts, new_tokens):
   ids = [engine.submit(p, max_new_tokens=new_tokens) for p in prompts]
   engine.step()                      # admits (prefills) every request, then one step
   first = sum(len(engine.outputs()[i]) for i in ids)
-  clocks = {name: _StepClock(getattr(engine._programs, name)) for name in ("decode", "verify")}
+  clocks = {name: _StepClock(getattr(engine._programs, name), wait=not config.overlap)
+            for name in ("decode", "verify")}
   engine._programs = dataclasses.replace(engine._programs, **clocks)
   steps, t0 = 0, time.perf_counter()
   while not engine.idle:
@@ -129,9 +138,10 @@ def _serve(model, config, prompts, new_tokens):
 
 def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps,
             prefill_batch):
-  drafting, replay = ARMS[arm]
+  drafting, replay, overlap = ARMS[arm]
   k = drafts if drafting else 0
   config = EngineConfig(max_running=batch, batch_buckets=(batch,), replay=replay, num_drafts=k,
+                        overlap=overlap,
                         prefill_batch=min(prefill_batch, batch),
                         buffer_len=buffer_len, max_prompt_len=len(prompts[0]),
                         max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype)
@@ -148,7 +158,7 @@ def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_
 
 
 def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_tokens, prompt_len,
-        phrase, reps, buffer_len, ring_dtype, arms=tuple(ARMS), prefill_batch=32, on_arm=None):
+        phrase, reps, buffer_len, ring_dtype, arms=DEFAULT_ARMS, prefill_batch=32, on_arm=None):
   """Every arm of ``arms`` (keys of ARMS; the first is the token baseline) on every batch and
   prompt set; ``on_arm(result so far)`` after each arm."""
   config = model_config(name)
@@ -173,7 +183,7 @@ def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_t
         group.append(row)
         acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         ms = row["ms_per_step"]
-        common.log(f"  B={batch} {prompt_name:10s} {arm:13s} {row['tokens_per_s']:9.0f} tokens/s, "
+        common.log(f"  B={batch} {prompt_name:10s} {arm:21s} {row['tokens_per_s']:9.0f} tokens/s, "
                    f"{row['tokens_per_step']:.2f} tokens/step/request, acceptance {acc}; ms/step: "
                    f"dispatch {ms['dispatch']:.2f}, device wait {ms['device_wait']:.2f}, host {ms['host']:.2f}")
         if on_arm is not None:
@@ -234,7 +244,7 @@ def main(argv=None) -> dict:
   p.add_argument("--buffer-len", type=int, default=None,
                  help="ReplaySSM L (None: the engine's default for each T)")
   p.add_argument("--ring-dtype", default="bfloat16", help="ReplaySSM ring dtype ('none': the model's)")
-  p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+  p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
   p.add_argument("--prefill-batch", type=int, default=32, help="EngineConfig.prefill_batch")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out-json", default=None)

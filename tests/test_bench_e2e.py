@@ -32,7 +32,7 @@ def test_engine_spec_smoke(tmp_path):
   assert saved["meta"]["command"].startswith("python -m bench.engine_spec --smoke")
   rows = out["result"]["rows"]
   assert {(r["prompts"], r["arm"]) for r in rows} == {
-      (p, a) for p in ("random", "repetitive") for a in engine_spec.ARMS}
+      (p, a) for p in ("random", "repetitive") for a in engine_spec.DEFAULT_ARMS}
   # every arm emits the greedy tokens of standard ReplaySSM decode,
   assert all(r["identical_to_baseline"] == 1.0 and r["tokens_per_s"] > 0 for r in rows)
   # the step's time splits into dispatch, device wait and host work (all measured, non-negative),
