@@ -137,12 +137,12 @@ def _serve(model, config, prompts, new_tokens):
 
 
 def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps,
-            prefill_batch):
+            prefill_tokens):
   drafting, replay, overlap = ARMS[arm]
   k = drafts if drafting else 0
   config = EngineConfig(max_running=batch, batch_buckets=(batch,), replay=replay, num_drafts=k,
                         overlap=overlap,
-                        prefill_batch=min(prefill_batch, batch),
+                        prefill_tokens=prefill_tokens,
                         buffer_len=buffer_len, max_prompt_len=len(prompts[0]),
                         max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype)
   _serve(model, config, prompts, new_tokens)       # compiles prefill, decode and verify
@@ -158,7 +158,7 @@ def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_
 
 
 def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_tokens, prompt_len,
-        phrase, reps, buffer_len, ring_dtype, arms=DEFAULT_ARMS, prefill_batch=32, on_arm=None):
+        phrase, reps, buffer_len, ring_dtype, arms=DEFAULT_ARMS, prefill_tokens=8192, on_arm=None):
   """Every arm of ``arms`` (keys of ARMS; the first is the token baseline) on every batch and
   prompt set; ``on_arm(result so far)`` after each arm."""
   config = model_config(name)
@@ -176,7 +176,7 @@ def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_t
       for arm in arms:
         row, tokens = run_arm(model, arm, prompts, batch=batch, drafts=drafts, new_tokens=new_tokens,
                               buffer_len=buffer_len, ring_dtype=ring_dtype, reps=reps,
-                              prefill_batch=prefill_batch)
+                              prefill_tokens=prefill_tokens)
         reference = tokens if reference is None else reference
         row.update(preset=name, model=model_kind, prompts=prompt_name, batch=batch,
                    identical_to_baseline=float(np.mean([a == b for a, b in zip(tokens, reference)])))
@@ -245,7 +245,7 @@ def main(argv=None) -> dict:
                  help="ReplaySSM L (None: the engine's default for each T)")
   p.add_argument("--ring-dtype", default="bfloat16", help="ReplaySSM ring dtype ('none': the model's)")
   p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
-  p.add_argument("--prefill-batch", type=int, default=32, help="EngineConfig.prefill_batch")
+  p.add_argument("--prefill-tokens", type=int, default=8192, help="EngineConfig.prefill_tokens")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out-json", default=None)
   p.add_argument("--plot", default=None, help="write the tokens/s plot (PNG) here")
@@ -265,7 +265,7 @@ def main(argv=None) -> dict:
                new_tokens=args.new_tokens, prompt_len=args.prompt_len, phrase=args.phrase,
                reps=args.reps, buffer_len=args.buffer_len,
                ring_dtype=None if args.ring_dtype == "none" else args.ring_dtype, arms=arms,
-               prefill_batch=args.prefill_batch, on_arm=save)
+               prefill_tokens=args.prefill_tokens, on_arm=save)
   print(_table(result))
   out = {"meta": meta, "result": result}
   save(result)

@@ -3,8 +3,8 @@
 Pool layout: slots ``[0, max_running)`` hold running requests, slots ``[max_running,
 max_running + prefix_slots)`` hold prefix snapshots. Each engine ``step()``:
 
-1. admits waiting requests into free slots: prefill (``LM.prefill`` of up to ``prefill_batch``
-   requests at once, prompts padded to ``max_prompt_len``: one compiled width; one request at a
+1. admits waiting requests into free slots: prefill (``LM.prefill`` of up to ``prefill_tokens //
+   max_prompt_len`` requests at once, prompts padded to ``max_prompt_len``: one compiled width; one request at a
    time with prefix caching) and the first token from the prefill logits;
 2. runs ONE model step for every running request in a fixed batch bucket (the smallest of
    ``batch_buckets`` that holds them; the other rows are padding rows, slot −1), so there is one
@@ -109,10 +109,10 @@ class EngineConfig:
       ``replay=False`` the verify is conventional: every recurrent layer keeps k + 1 states per
       slot (``LM.init_cache(verify_stacks=True)``), the baseline to time ReplaySSM verify against.
     ngram: n-gram length the drafter matches.
-    prefill_batch: requests prefilled together (without prefix caching): the requests a step
-      admits go through the prefill in groups of up to ``prefill_batch`` rows, one compiled
-      width (``prefill_batch``; a lone request runs at width 1). Activations scale with
-      prefill_batch · max_prompt_len tokens.
+    prefill_tokens: token budget of one prefill (without prefix caching): the requests a step
+      admits go through the prefill in groups of R = max(1, min(max_running, prefill_tokens //
+      max_prompt_len)) rows (prompts padded to max_prompt_len), one compiled width R (a lone
+      request runs at width 1). Prefill activations scale with R · max_prompt_len tokens.
     prefix_block: prefix-cache block in tokens; 0 turns prefix caching off.
     prefix_slots: pool slots for prefix snapshots (>= 1 when prefix_block > 0).
     max_prompt_len: longest prompt accepted; None = the model's ``config.max_prompt_len``.
@@ -132,7 +132,7 @@ class EngineConfig:
   replay: bool = True
   num_drafts: int = 0
   ngram: int = 2
-  prefill_batch: int = 8
+  prefill_tokens: int = 8192
   prefix_block: int = 0
   prefix_slots: int = 0
   max_prompt_len: int | None = None
@@ -143,7 +143,7 @@ class EngineConfig:
   overlap: bool = False
 
   def __post_init__(self):
-    for name, lo in (("max_running", 1), ("prefill_batch", 1), ("prefix_block", 0), ("prefix_slots", 0),
+    for name, lo in (("max_running", 1), ("prefill_tokens", 1), ("prefix_block", 0), ("prefix_slots", 0),
                      ("num_drafts", 0), ("ngram", 1)):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < lo:
@@ -312,6 +312,7 @@ class Engine:
       raise ValueError(f"config must be an EngineConfig; got {type(config).__name__}")
     self.model, self.config = model, config
     self.max_prompt_len = config.max_prompt_len or model.config.max_prompt_len
+    self.prefill_rows = max(1, min(config.max_running, config.prefill_tokens // self.max_prompt_len))
     if config.prefix_block and config.prefix_block > self.max_prompt_len:
       raise ValueError(f"prefix_block={config.prefix_block} exceeds max_prompt_len={self.max_prompt_len}")
     # KV capacity per slot (attention layers only): a request's prompt and generated tokens.
@@ -457,7 +458,7 @@ class Engine:
       r = self._requests[self._waiting.popleft()]
       r.slot = self._free.pop(0)
       admitted.append(r)
-    group = self.config.prefill_batch
+    group = self.prefill_rows
     if self.config.prefix_block:   # one by one: a request may hit the snapshots of the one before
       firsts = [self._prefill(r) for r in admitted]
     else:
@@ -479,8 +480,8 @@ class Engine:
     return out
 
   def _prefill_group(self, reqs: list) -> list:
-    """Whole prompts of ``reqs`` in one prefill (width 1 or ``prefill_batch``); first tokens."""
-    width = 1 if len(reqs) == 1 else self.config.prefill_batch
+    """Whole prompts of ``reqs`` in one prefill (width 1 or ``prefill_rows``); first tokens."""
+    width = 1 if len(reqs) == 1 else self.prefill_rows
     tokens = np.full((width, self.max_prompt_len), PAD_TOKEN, np.int32)
     for i, r in enumerate(reqs):
       tokens[i, :len(r.prompt)] = r.prompt
