@@ -48,8 +48,12 @@ def run(*, model_dir=None, max_new_tokens: int = 40, max_running: int = 4, buffe
   for replay in (True, False):
     name = "replay" if replay else "conventional"
     engine = Engine(model, EngineConfig(replay=replay, **config))
-    for i in range(max_running):  # compile every bucket outside the timing: all rows, then half
+    # Compile outside the timing: every decode bucket (all rows, then half) and both prefill
+    # widths (the admitted group, and a request admitted alone).
+    for i in range(max_running):
       engine.submit(encode("warm-up"), max_new_tokens=2 + 2 * (i % 2))
+    engine.run()
+    engine.submit(encode("warm-up"), max_new_tokens=2)
     engine.run()
     steps0 = engine.steps
     ids = [engine.submit(encode(p), max_new_tokens=max_new_tokens - 3 * (i % 4))
