@@ -109,19 +109,26 @@ OVERLAP = EngineConfig(**BASE, overlap=True)
 
 
 def test_overlapped_steps_emit_the_same_tokens(model, solo, tmp_path, monkeypatch):
-  programs, tokens_given = engine_module._programs, []   # per decode: input tokens on the device?
+  # Per decode: were its input tokens the previous decode's output (chained on the device)?
+  programs, tokens_given, outputs = engine_module._programs, [], []
 
   def recording(*key):
     decode = programs(*key).decode
 
     def wrapped(*args, **kwargs):
-      tokens_given.append(isinstance(args[2], jax.Array))
-      return decode(*args, **kwargs)
+      tokens_given.append(any(args[2] is out for out in outputs))
+      nxt, cache = decode(*args, **kwargs)
+      outputs[:] = [nxt]
+      return nxt, cache
     return dataclasses.replace(programs(*key), decode=wrapped)
   # Given overlapped steps (step t + 1 dispatched from step t's device tokens) in the schedules
   # of the join test: requests joining, waiting for a slot, finishing at different steps,
+  _, _, sync = _run_schedule(model, [0, 1, 2, 3], [0, 0, 0, 2])
+  compiled = sync._programs.decode._cache_size()
   monkeypatch.setattr(engine_module, "_programs", recording)
   a, _, _ = _run_schedule(model, [0, 1, 2, 3], [0, 0, 0, 2], OVERLAP)
+  # (host and device tokens share the synchronous schedule's compiled steps),
+  assert sync._programs.decode._cache_size() == compiled
   b, _, _ = _run_schedule(model, [3, 2, 1, 0], [3, 1, 0, 0], OVERLAP)
   monkeypatch.undo()
   # then every request gets its solo tokens, and most steps were chained on the device.

@@ -577,13 +577,12 @@ class Engine:
     # A row whose last token reaches a block boundary flushes, so the snapshot's window is empty.
     force = [self._snapshot_due(r, n) for r, n in zip(reqs, lens)]
     drafts = [self._drafts(r, n) for r, n in zip(reqs, lens)]
-    rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
-    per_row = (rows([r.slot for r in reqs], -1, np.int32), rows(force, False, bool),
-               rows([r.temperature for r in reqs], 0.0, np.float32),
-               rows([r.seed for r in reqs], 0, np.int32),
-               rows([len(r.generated) for r in reqs], 0, np.int32))
-    stacks = self._cache.stacks is not None
-    if any(drafts) or stacks:
+    if any(drafts) or self._cache.stacks is not None:
+      rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
+      per_row = (rows([r.slot for r in reqs], -1, np.int32), rows(force, False, bool),
+                 rows([r.temperature for r in reqs], 0.0, np.float32),
+                 rows([r.seed for r in reqs], 0, np.int32),
+                 rows([len(r.generated) for r in reqs], 0, np.int32))
       # One program per (bucket, T): T from the requests' draft counts, not from this step's cuts.
       t = 1 + max(r.num_drafts for r in reqs)
       tokens = np.full((width, t), PAD_TOKEN, np.int32)
@@ -596,11 +595,9 @@ class Engine:
       run, emitted = np.asarray(run), np.asarray(emitted)
       runs = [run[i, :emitted[i]].tolist() for i in range(len(reqs))]
     else:
-      nxt, self._cache = self._programs.decode(
-          self._leaves, self._cache,
-          rows([r.generated[-1] for r in reqs], PAD_TOKEN, np.int32), *per_row,
-          replay=cfg.replay, implementation=cfg.implementation)
-      runs = [[int(tok)] for tok in np.asarray(nxt)[:len(reqs)]]
+      step = self._dispatch(reqs, [True] * len(reqs), [r.generated[-1] for r in reqs],
+                            [len(r.generated) for r in reqs], force=force)
+      runs = [[tok] for tok in np.asarray(step.tokens)[:len(reqs)].tolist()]
     for r, n, run in zip(reqs, lens, runs):
       covered = n - 1 + len(run)          # the state covers token 0 and the accepted drafts
       if self._snapshot_due(r, covered, run):
@@ -641,17 +638,20 @@ class Engine:
                                         [len(r.generated) for r in reqs])
     return finished
 
-  def _dispatch(self, reqs, live, tokens, positions) -> _InFlight:
-    """One decode step of ``reqs`` (rows with ``live`` False are padding rows) from ``tokens``
-    (a host list or the device tokens of the step before), not waited for."""
+  def _dispatch(self, reqs, live, tokens, positions, force=()) -> _InFlight:
+    """One decode step of ``reqs`` (rows with ``live`` False are padding rows; ``force``: rows
+    that flush) from ``tokens`` (a host list, or the device tokens of the step before), not
+    waited for."""
     cfg = self.config
     width = next(b for b in cfg.batch_buckets if b >= len(reqs))
     rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
     if not isinstance(tokens, jax.Array):
-      tokens = rows(tokens, PAD_TOKEN, np.int32)
+      # Committed like the device tokens a chained step passes: jit keys its programs on
+      # commitment, so host and device tokens then share one compiled step.
+      tokens = jax.device_put(rows(tokens, PAD_TOKEN, np.int32), self._cache.positions.sharding)
     slots = rows([r.slot if ok else -1 for r, ok in zip(reqs, live)], -1, np.int32)
     nxt, self._cache = self._programs.decode(
-        self._leaves, self._cache, tokens, slots, np.zeros((width,), bool),
+        self._leaves, self._cache, tokens, slots, rows(force, False, bool),
         rows([r.temperature for r in reqs], 0.0, np.float32), rows([r.seed for r in reqs], 0, np.int32),
         rows(positions, 0, np.int32), replay=cfg.replay, implementation=cfg.implementation)
     return _InFlight(reqs=reqs, live=live, tokens=nxt)
