@@ -368,7 +368,7 @@ def parse_args(argv):
   p.add_argument("--arms", type=lambda s: s.split(","), default=list(DEFAULT_ARMS))
   p.add_argument("--variants", type=_variants, default=[()],
                  help="launch variants of the replay-pallas and replay-mosaic arms, comma-"
-                      "separated, each key=value[:key=value...], e.g. block_v=64:matmul=tf32x3 "
+                      "separated, each key=value[:key=value...], e.g. route=reconstruct:block_v=16 "
                       "or rows=4 (Mosaic; '' = the config's)")
   p.add_argument("--target-bytes", type=float, default=2**30, help="P layers: P·state pool >= this")
   p.add_argument("--max-layers", type=int, default=64)

@@ -25,7 +25,7 @@ MAX_PROMPT = 32
 # One pool shape (3 request + 3 prefix slots) and one buffer_len everywhere: every engine in this
 # module shares the same compiled programs.
 BASE = dict(max_running=3, batch_buckets=(1, 2, 4), buffer_len=4, prefix_slots=3)
-CFG = EngineConfig(**BASE)
+CFG = EngineConfig(**BASE, overlap=False)   # synchronous steps; OVERLAP below is the default
 PREFIX = EngineConfig(**BASE, prefix_block=8)
 RNG = np.random.RandomState(0)
 PROMPTS = [RNG.randint(1, 256, n).tolist() for n in (5, 12, 3, 9)]
@@ -105,7 +105,7 @@ def test_stop_tokens_and_sampling_are_per_request(model, solo):
   assert engine.run()[s2] == out[s1] != solo[2][:8]
 
 
-OVERLAP = EngineConfig(**BASE, overlap=True)
+OVERLAP = EngineConfig(**BASE)
 
 
 def test_overlapped_steps_emit_the_same_tokens(model, solo, tmp_path, monkeypatch):
@@ -156,12 +156,14 @@ def test_overlapped_steps_emit_the_same_tokens(model, solo, tmp_path, monkeypatc
   assert resumed.run() == expected
 
 
-def test_overlap_refuses_drafting_and_prefix_caching():
+def test_overlap_is_the_plain_decode_default_and_refuses_drafting_and_prefix_caching():
+  assert OVERLAP.overlapped and not CFG.overlapped
+  assert not EngineConfig(**BASE, num_drafts=2).overlapped and not PREFIX.overlapped
   with pytest.raises(NotImplementedError, match="overlap=True with num_drafts=2"):
     EngineConfig(**BASE, overlap=True, num_drafts=2)
   with pytest.raises(NotImplementedError, match="prefix_block=8"):
     EngineConfig(**BASE, overlap=True, prefix_block=8)
-  with pytest.raises(ValueError, match="overlap=1"):
+  with pytest.raises(ValueError, match="overlap=1; expected None or a bool"):
     EngineConfig(**BASE, overlap=1)
 
 
