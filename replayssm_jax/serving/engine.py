@@ -54,8 +54,8 @@ them).
 Overlapped steps (plain decode, by default; ``overlap=False`` turns them off): a step is
 dispatched before the host reads the tokens of the one before, from those tokens on the device, so
 the host's work (reading tokens, stop and length checks, bookkeeping) runs while the device
-computes the next step. While
-requests wait for a slot, the engine collects first and admits as usual. A row that reaches
+computes the next step. While requests wait for a slot, the engine collects first and admits as
+usual. A row that reaches
 ``max_new_tokens`` in the step in flight is a padding row of the next; one that hits a stop token
 there computes one more token into the slot it frees, which nobody reads (the next request in
 that slot starts from a fresh prefill). Tokens are those of synchronous steps; ``step()`` reports
