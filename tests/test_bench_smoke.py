@@ -752,6 +752,20 @@ def test_model_trace_smoke(tmp_path):
   assert data["runs"][0]["kernels"] == [] and data["runs"][0]["us_per_step"] == 0
 
 
+def test_model_trace_preset_runs_both_modes_and_refuses_other_modes(tmp_path):
+  """``--preset``: bench.model_e2e's step loop of a tiny checkpoint's architecture, both modes
+  recorded; a bench.model_decode-only mode is a one-line parser error."""
+  from bench import model_trace  # noqa: PLC0415
+  out = tmp_path / "t.json"
+  result = model_trace.main(["--preset", "tiny-qwen3_5", "--context", "8", "--batch", "2",
+                             "--cycles", "1", "--modes", "conventional,replay", "--out-json", str(out)])
+  data = json.loads(out.read_text())
+  assert data["preset"] == "tiny-qwen3_5" and data["context"] == 8
+  assert [r["mode"] for r in result["runs"]] == ["conventional", "replay"]
+  with pytest.raises(SystemExit):
+    model_trace.main(["--preset", "tiny-qwen3_5", "--modes", "replay-no-policy"])
+
+
 def test_attention_decode_smoke_gates_and_times_every_arm(tmp_path, monkeypatch):
   """``python -m bench.attention_decode --smoke``: one row per arm with a passing gate and a time;
   a kernel whose outputs are off fails its gate."""
