@@ -8,8 +8,8 @@
 
 The model and its decode loop are bench/model_decode.py's (replay mode, staggered cursor phases,
 one ``jax.jit`` over full flush cycles, cache donated), or with ``--preset`` bench/model_e2e.py's
-real architecture and step loop with ``--context`` KV tokens per slot. Per implementation the loop is warmed up,
-then ``--cycles`` cycles of L steps run under ``jax.profiler.trace(create_perfetto_trace=True)``;
+real architecture and step loop with ``--context`` KV tokens per slot. Per implementation the
+loop is warmed up, then ``--cycles`` cycles of L steps run under ``jax.profiler.trace(create_perfetto_trace=True)``;
 the trace's complete events on GPU stream threads are summed by kernel name and divided by the
 number of steps: microseconds and launches per model step (all layers). This measures kernels in
 place, inside the model, where bench/mamba2_decode.py and bench/gdn_decode.py measure a layer
@@ -80,11 +80,11 @@ def trace_loop(model, *, batch: int, buffer_len: int, cycles: int, implementatio
   return _trace(fn, params, carry, cycles=cycles, steps_per_cycle=buffer_len, hlo_path=hlo_path)
 
 
-def trace_preset(name: str, *, batch: int, context: int, cycles: int, mode: str,
+def trace_preset(model, name: str, *, batch: int, context: int, cycles: int, mode: str,
                  hlo_path=None) -> list[dict]:
-  """bench.model_e2e's step loop of a real-architecture preset (``implementation=None``) with
-  ``context`` tokens in every KV slot; ``mode`` conventional or replay."""
-  model = make_model(model_e2e.model_config(name), seed=0)
+  """bench.model_e2e's step loop of ``model``, built from the preset ``name``
+  (``implementation=None``), with ``context`` tokens in every KV slot; ``mode`` conventional or
+  replay."""
   buffer_len = model_e2e.BUFFER_LEN.get(name, 8)
   replay = model_e2e.MODES[mode]
   graphdef, params = nnx.split(model)
@@ -104,7 +104,8 @@ def main(argv=None) -> dict:
                            "depth; implementation=None) instead of --stack")
   parser.add_argument("--context", type=int, default=1024, help="KV tokens per slot (--preset)")
   parser.add_argument("--batch", type=int, default=None, help="rows (default 256; smoke 4)")
-  parser.add_argument("--buffer-len", type=int, default=16)
+  parser.add_argument("--buffer-len", type=int, default=None,
+                      help="L of the --stack loop (default 16); a preset uses bench.model_e2e's")
   parser.add_argument("--cycles", type=int, default=4, help="flush cycles traced")
   parser.add_argument("--implementations", default="none",
                       help="comma-separated; 'none' = implementation=None (the library's choice)")
@@ -127,24 +128,35 @@ def main(argv=None) -> dict:
     runs.append({"mode": mode, "implementation": name, "us_per_step": total, "kernels": kernels})
 
   hlo = lambda mode, name: args.hlo_dir and pathlib.Path(args.hlo_dir, f"{mode}_{name}.hlo.txt")
+  modes = args.modes.split(",")
   if args.preset:
-    for mode in args.modes.split(","):
+    for mode in modes:
       if mode not in model_e2e.MODES:
         parser.error(f"--modes {mode!r}: a preset runs one of {', '.join(model_e2e.MODES)}")
-      record(mode, "none", trace_preset(args.preset, batch=batch, context=args.context,
+    if args.implementations != "none" or args.buffer_len is not None:
+      parser.error("--preset runs implementation=None at bench.model_e2e's L; drop "
+                   "--implementations and --buffer-len")
+    try:
+      model = make_model(model_e2e.model_config(args.preset), seed=0)
+    except ValueError as e:
+      parser.error(f"--preset: {e}")
+    for mode in modes:
+      record(mode, "none", trace_preset(model, args.preset, batch=batch, context=args.context,
                                         cycles=args.cycles, mode=mode, hlo_path=hlo(mode, "none")))
-    setup = {"preset": args.preset, "context": args.context}
+    setup = {"preset": args.preset, "context": args.context,
+             "buffer_len": model_e2e.BUFFER_LEN.get(args.preset, 8)}
   else:
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     geometry = model_decode.stack_geometry(args.stack, args.smoke)
     model = make_model(LMConfig(**geometry, dtype=dtype), seed=0)
-    for mode in args.modes.split(","):
+    buffer_len = 16 if args.buffer_len is None else args.buffer_len
+    for mode in modes:
       for name in args.implementations.split(","):
         impl = None if name == "none" else name
-        record(mode, name, trace_loop(model, batch=batch, buffer_len=args.buffer_len,
+        record(mode, name, trace_loop(model, batch=batch, buffer_len=buffer_len,
                                       cycles=args.cycles, implementation=impl, mode=mode,
                                       hlo_path=hlo(mode, name)))
-    setup = {"stack": args.stack, "geometry": geometry, "buffer_len": args.buffer_len}
+    setup = {"stack": args.stack, "geometry": geometry, "buffer_len": buffer_len}
   result = {"meta": common.run_metadata(argv, "bench.model_trace"),
             **setup, "batch": batch, "cycles": args.cycles, "runs": runs}
   if args.out_json:

@@ -764,6 +764,10 @@ def test_model_trace_preset_runs_both_modes_and_refuses_other_modes(tmp_path):
   assert [r["mode"] for r in result["runs"]] == ["conventional", "replay"]
   with pytest.raises(SystemExit):
     model_trace.main(["--preset", "tiny-qwen3_5", "--modes", "replay-no-policy"])
+  with pytest.raises(SystemExit):   # options the preset loop does not take are refused, not ignored
+    model_trace.main(["--preset", "tiny-qwen3_5", "--implementations", "xla"])
+  with pytest.raises(SystemExit):
+    model_trace.main(["--preset", "no-such-model"])
 
 
 def test_attention_decode_smoke_gates_and_times_every_arm(tmp_path, monkeypatch):
