@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from replayssm_jax.pallas import common as pallas_common
 
 # CPU runs (--smoke) interpret the Mosaic arms, whose interpreter calls JAX from host callbacks: with
 # CPU async dispatch on, that can deadlock (pallas/common.mosaic_interpret_mode). Read at backend
@@ -434,8 +433,3 @@ def itemsize(dtype) -> int:
 # 128 layers still touch 128 MB (GDN bf16) to 512 MB (Mamba2 f32) per step, 2-8x the 60 MB L2.
 MAX_UNROLLED_LAYERS = 128
 
-
-def addressable_layers(elements_per_layer: int) -> int:
-  """How many layers' slot ranges one array may hold and stay within the int32 element offsets of
-  the Pallas-Triton kernels (at least 1: one layer's own array is the op's own limit)."""
-  return max(1, pallas_common.TRITON_MAX_ELEMENTS // int(elements_per_layer))

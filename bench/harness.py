@@ -221,13 +221,10 @@ def cycle_bytes(family: str, buffer_len: int | None, *, inputs: float, output: f
 def layers_for(geo, batch: int, state_dtype: str, target_bytes: float, max_layers: int,
                min_layers: int = 2) -> int:
   """P = max(min_layers, 2, ceil(target_bytes / one layer's state pool)), at most ``max_layers``,
-  at most ``common.MAX_UNROLLED_LAYERS`` (the layers are unrolled in the compiled step) and at most
-  what one pool array of the Triton kernels' int32 offsets holds (the layers are slot ranges of one
-  array; fewer layers there still move ≥ 2**31 elements per step)."""
-  elements = batch * math.prod(geo.state_shape)
-  pool = elements * common.itemsize(state_dtype)
-  P = min(max_layers, common.MAX_UNROLLED_LAYERS, max(min_layers, 2, math.ceil(target_bytes / pool)))
-  return int(min(P, common.addressable_layers(elements)))
+  at most ``common.MAX_UNROLLED_LAYERS`` (the layers are unrolled in the compiled step)."""
+  pool = batch * math.prod(geo.state_shape) * common.itemsize(state_dtype)
+  return int(min(max_layers, common.MAX_UNROLLED_LAYERS,
+                 max(min_layers, 2, math.ceil(target_bytes / pool))))
 
 
 # ----------------------------------------------------------------------------------------------

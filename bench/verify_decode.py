@@ -395,15 +395,12 @@ def parse_args(argv):
   return args
 
 
-def layers_for(state_elements: int, batch: int, num_tokens: int, state_dtype: str,
-               target_bytes: float, max_layers: int) -> int:
+def layers_for(state_elements: int, batch: int, state_dtype: str, target_bytes: float,
+               max_layers: int) -> int:
   """P = max(2, ceil(target_bytes / one layer's state pool)), at most ``max_layers``, at most
-  ``common.MAX_UNROLLED_LAYERS`` (the layers are unrolled) and at most
-  what one array of the conventional arm's stacks (T states per slot, the largest array) holds
-  within the Triton kernels' int32 element offsets."""
+  ``common.MAX_UNROLLED_LAYERS`` (the layers are unrolled)."""
   pool = batch * state_elements * common.itemsize(state_dtype)
-  P = min(max_layers, common.MAX_UNROLLED_LAYERS, max(2, math.ceil(target_bytes / pool)))
-  return int(min(P, common.addressable_layers(batch * num_tokens * state_elements)))
+  return int(min(max_layers, common.MAX_UNROLLED_LAYERS, max(2, math.ceil(target_bytes / pool))))
 
 
 def main(argv=None) -> dict:
@@ -423,7 +420,7 @@ def main(argv=None) -> dict:
       mem = memory_per_request(family, t, args.buffer_len, sdt, args.ring_dtype)
       memory.append({"family": family.name, "state_dtype": sdt, "num_tokens": t, **mem})
       for B in args.batches:
-        P = layers_for(state_bytes, B, t, sdt, args.target_bytes, args.max_layers)
+        P = layers_for(state_bytes, B, sdt, args.target_bytes, args.max_layers)
         setup = Setup(family, B, t, args.buffer_len, P, sdt, args.ring_dtype, args.act_dtype, args.bank,
                       args.cycle_steps, args.seed)
         runs = [(arm, knobs) for arm in args.arms for knobs in arm_variants(arm, args.variants)]

@@ -173,7 +173,7 @@ def decode_attention(q, k_pool, v_pool, slots, start, *, scale, block_kv=None, n
 
   Raises:
     ValueError: bad shapes or dtypes. NotImplementedError: valid shapes this kernel cannot run
-    (non-power-of-two Dh, T > 16, S < 16, arrays past int32 element offsets).
+    (non-power-of-two Dh, T > 16, S < 16, 1-byte arrays past int32 element offsets).
   """
   for name, x, what in (("q", q, "[B, T, H, Dh]"), ("k_pool", k_pool, "[N, S, Hkv, Dh]"),
                         ("v_pool", v_pool, "[N, S, Hkv, Dh]")):
@@ -213,7 +213,7 @@ def decode_attention(q, k_pool, v_pool, slots, start, *, scale, block_kv=None, n
     cfg["block_kv"] = 1 << (seq.bit_length() - 1)   # the default block, shrunk to fit a short S
   if dh < MIN_ROWS:
     raise NotImplementedError(f"{OP}: Dh={dh}; Triton tensor-core products need Dh >= {MIN_ROWS}")
-  common.require_int32_offsets(OP, k_pool=k_pool, v_pool=v_pool)
+  common.require_triton_addressable(OP, k_pool=k_pool, v_pool=v_pool)
   if interpret is None:
     interpret = common.interpret_mode()
   return _decode_attention(q, k_pool, v_pool, slots, start, scale=float(scale),

@@ -80,23 +80,31 @@ def require_pow2(op: str, **sizes: int) -> None:
         f"{listed} (use implementation='xla', or None to fall back automatically)")
 
 
-# Pallas-Triton computes every element offset (index · stride, summed) in int32 and only then
-# scales it to bytes in 64 bits, so an array of more than 2**31 elements would be addressed
-# modulo 2**32: wrong rows read and written, silently.
-TRITON_MAX_ELEMENTS = 2 ** 31
+# Pallas-Triton (jax >= 0.11.2, jax/_src/pallas/triton/lowering.py) computes a ref's element
+# offsets (index · stride, summed) in int64 when the array holds more than 2**32 bytes and in int32
+# otherwise. int32 offsets reach 2**31 - 1 elements, so the one array it would address out of range
+# (silently, modulo 2**32) has 1-byte elements and between 2**31 and 2**32 of them.
+INT32_OFFSET_ELEMENTS = 2 ** 31
+INT64_OFFSET_BYTES = 2 ** 32
 
 
-def require_int32_offsets(op: str, **operands) -> None:
-  """NotImplementedError if an operand of a Pallas-Triton kernel has more elements than int32
-  element offsets reach (``TRITON_MAX_ELEMENTS``)."""
-  bad = {name: a for name, a in operands.items() if math.prod(a.shape) > TRITON_MAX_ELEMENTS}
+def triton_addressable(shape, dtype) -> bool:
+  """Whether Pallas-Triton's offset arithmetic reaches every element of a [shape] dtype array."""
+  elements = math.prod(shape)
+  return elements <= INT32_OFFSET_ELEMENTS or elements * jnp.dtype(dtype).itemsize > INT64_OFFSET_BYTES
+
+
+def require_triton_addressable(op: str, **operands) -> None:
+  """NotImplementedError if Pallas-Triton would address an operand with int32 element offsets that
+  cannot reach all of it (``triton_addressable``)."""
+  bad = {name: a for name, a in operands.items() if not triton_addressable(a.shape, a.dtype)}
   if bad:
-    listed = ", ".join(f"{name} {tuple(a.shape)} ({math.prod(a.shape)} elements)"
+    listed = ", ".join(f"{name} {a.dtype}{list(a.shape)} ({math.prod(a.shape)} elements)"
                        for name, a in bad.items())
     raise NotImplementedError(
-        f"{op}: the Pallas-Triton kernels address arrays with int32 element offsets, at most "
-        f"2**31 = {TRITON_MAX_ELEMENTS} elements per array; got {listed} (use "
-        f"implementation='xla', or None to fall back automatically)")
+        f"{op}: Pallas-Triton addresses an array of at most 2**32 bytes with int32 element "
+        f"offsets, which reach 2**31 elements; got {listed} (use implementation='xla', or None "
+        f"to fall back automatically)")
 
 
 def load_window(ref, inside_rows):

@@ -151,7 +151,7 @@ def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, 
     out, aliases = jax.ShapeDtypeStruct((batch, h, vd, kd), f32), {}
   args = (rows, jnp.reshape(num_rows, (1,)).astype(jnp.int32), slots, base, length, state,
           ring_k, ring_u, ring_g)
-  common.require_int32_offsets(name, state=state, ring_k=ring_k, ring_u=ring_u, out=out)
+  common.require_triton_addressable(name, state=state, ring_k=ring_k, ring_u=ring_u, out=out)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   (result,) = pl.pallas_call(
       kernel, grid=(tiles // tiles_per_program, h, row_slots), in_specs=[any_spec] * len(args),

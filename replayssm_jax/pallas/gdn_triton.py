@@ -258,7 +258,7 @@ def _pallas(kernel, args, *, grid, out_shape, aliases, cfg, name, interpret):
   refs = list(inspect.signature(getattr(kernel, "func", kernel)).parameters)
   refs = [r.removesuffix("_ref") for r in refs]
   fresh = [(refs[len(args) + i], o) for i, o in enumerate(out_shape) if i not in aliases.values()]
-  common.require_int32_offsets(name, **dict(zip(refs, args)), **dict(fresh))
+  common.require_triton_addressable(name, **dict(zip(refs, args)), **dict(fresh))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[any_spec] * len(args), out_specs=[any_spec] * len(out_shape),

@@ -253,7 +253,7 @@ def _pallas(kernel, inputs: dict, outputs: dict, aliases: dict, *, grid, cfg, na
   """pallas_call over named GMEM operands; ``aliases`` maps input names to output names."""
   in_names, out_names = list(inputs), list(outputs)
   fresh = {k: v for k, v in outputs.items() if k not in aliases.values()}
-  common.require_int32_offsets(name, **{**inputs, **fresh})
+  common.require_triton_addressable(name, **{**inputs, **fresh})
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   outs = pl.pallas_call(
       functools.partial(kernel, names=tuple(in_names + out_names)), grid=grid,
