@@ -193,12 +193,14 @@ H200 = DeviceTables(
         "bf16": always("output_only"),
     }, source=("git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s4_matrix_f32.log",
                "git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s7_bf16_matrix.json")),
-    # *untuned*: output-only [32, 128] checkpoint tiles (GDN's best replay tile held the same 4096
-    # elements), 4 heads per program share B_j·C; reconstruct one head per program (nothing shared).
+    # Output-only [32, 128] checkpoint tiles in [32, 32] chunks, 4 heads per program share B_j·C:
+    # B = 256, L = 8, f32 0.4250 ms; six other tiles 0.4213-0.4591 (none better by more than the
+    # 1 % spread). Reconstruct one head per program (nothing shared), *untuned*.
     mamba2_replay_step=Table({
         "output_only": always(_m2(32, 2, 32, heads=4)),
         "reconstruct": always(_m2(32, 2, 32, heads=1)),
-    }, source=("untuned: GDN's replay-step tile size",)),
+    }, source=("mamba2_decode_2026-12-03_step_fold_tiles.json",
+               "untuned (reconstruct): GDN's replay-step tile size")),
     # R < 16 (unrolled rank-one FMAs), B = 256, L = 8, f32: [64, 64]/4 0.4436 ms, [32, 128]/4
     # 0.4465, GDN's [32, 64]/2 0.4522, [16, 64]/4 0.4896. R ≥ 16: GDN's fold tile (*untuned* here).
     mamba2_fold=Table({ANY: (({"ring_size": (None, 15)}, _tile(64, 4, 64)), ({}, None))},
