@@ -26,7 +26,7 @@ arm still timed.
     python -m bench.attention_decode --configs default,bk32w4,bk64w4,bk32w8,bk64w8s3 # kernel sweep
     python -m bench.attention_decode --smoke          # CPU, tiny shapes, kernel interpreted
 
-Kernel configs (``--configs``): ``default`` (``attention_triton.default_config``) or tokens
+Kernel configs (``--configs``): ``default`` (``config.attention_decode_config``) or tokens
 ``bk<block_kv>``, ``w<num_warps>``, ``s<num_stages>``, ``p<num_splits>``, e.g. ``bk64w8p2``.
 """
 import argparse

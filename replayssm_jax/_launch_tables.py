@@ -41,6 +41,13 @@ def _m2(block_p, num_warps, block_n=None, heads=1):
 SMALL_BATCH = {"batch": (None, 32)}   # config.SMALL_TILE_MAX_BATCH
 
 
+def _attention(block_kv, num_warps=4, num_stages=2, min_programs=256):
+  """A row's K/V blocks of ``block_kv`` tokens; its blocks split over programs while the
+  (B, Hkv) grid has fewer than ``min_programs``."""
+  return {"block_kv": block_kv, "num_warps": num_warps, "num_stages": num_stages,
+          "min_programs": min_programs}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceTables:
   """Every launch table of one device kind. ``num_sms``: None turns off the rule that shrinks a
@@ -67,6 +74,7 @@ class DeviceTables:
   mamba2_verify_output_only: Table  # Mamba2 verify output-only step; by tokens
   mamba2_materialize: Table        # Mamba2 materialize tile
   mosaic: Table                    # Mosaic GPU kernels: state-tile rows, batch rows per program
+  attention_decode: Table          # decode attention: K/V block, warps, stages, split target; by head_dim
 
 
 H200 = DeviceTables(
@@ -238,6 +246,12 @@ H200 = DeviceTables(
         "default,r2,r4 --batches 256 --buffer-lens 8 --state-dtypes float32; python -m "
         "bench.verify_decode --family {gdn,mamba2} --tokens 4 --batches 256 --buffer-len 8 "
         "--state-dtypes float32 --arms replay-mosaic,conv-pallas --variants ,rows=2,rows=4",)),
+    # Qwen3.5-4B layer (Dh 256), 1k context, ms: B = 256 block 32 / 4 warps / 2 stages 0.2953,
+    # block 64 0.3058, 8 warps 0.3133-0.3524; B = 32 block 32 0.0455, block 64 0.0450, one split
+    # instead of several 0.0605. Dh <= 128 (Nemotron-H): *untuned*, the same bytes per block.
+    attention_decode=Table({ANY: (({"head_dim": (129, None)}, _attention(32)), ({}, _attention(64)))},
+                           source=("attention_decode_2026-12-02_configs.json",
+                                   "untuned (head_dim <= 128): twice the Dh = 256 block")),
 )
 
 # Any other GPU: the H200's tiles (the only GPU measured), and no Mosaic preference for verify
@@ -287,6 +301,9 @@ CPU = DeviceTables(
     # Interpret mode ignores Mosaic layouts: 16-row tiles give two tiles per 32-row head; four rows
     # per program cover the double-buffered row loop.
     mosaic=Table({ANY: always({"block_v": 16, "rows": 4})}, source=_INTERPRET),
+    attention_decode=Table({ANY: (({"head_dim": (129, None)}, _attention(32)), ({}, _attention(64)))},
+                           source=("interpret mode: the GPU's blocks, so CPU tests see the split rule "
+                                   "and short-pool clipping as the GPU does",)),
 )
 
 # Device-independent defaults (measured on the H200).

@@ -540,3 +540,25 @@ def mosaic_materialize_config(*, device_kind: str, head_v_dim: int) -> MosaicCon
   tile = mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
                               head_v_dim=head_v_dim, num_k_heads=1, group=1, batch=1)
   return dataclasses.replace(tile, rows=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+  """Decode-attention launch (pallas/attention_triton.py): K/V blocks of ``block_kv`` tokens, a
+  row's blocks split over ``num_splits`` programs, warps, software-pipeline stages."""
+  block_kv: int
+  num_splits: int
+  num_warps: int
+  num_stages: int
+
+
+def attention_decode_config(*, device_kind: str, head_dim: int, batch: int, num_kv_heads: int,
+                            seq_len: int) -> AttentionConfig:
+  """The device's block for ``head_dim``, and splits doubled while the (B, Hkv, splits) grid has
+  fewer programs than the table's target and every split keeps at least 8 blocks of S."""
+  entry = _pick(tables.for_device(device_kind).attention_decode, head_dim=head_dim)
+  block, splits = entry["block_kv"], 1
+  while batch * num_kv_heads * splits < entry["min_programs"] and seq_len >= 2 * splits * 8 * block:
+    splits *= 2
+  return AttentionConfig(block_kv=block, num_splits=splits, num_warps=entry["num_warps"],
+                         num_stages=entry["num_stages"])

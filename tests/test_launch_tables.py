@@ -22,8 +22,8 @@ FAMILY_STATE = tuple(itertools.product(("gdn", "mamba2"), STATES))
 # does not bound an input (B = 256 keeps every grid wide enough for the two-programs-per-SM rule).
 GRID = {"batch": (1, 2, 7, 8, 9, 31, 32, 33, 127, 128, 129, 255, 256, 1024),
         "tokens": (1, 2, 3, 4, 5, 8), "buffer_len": (2, 4, 7, 8, 12, 16, 32),
-        "ring_size": (4, 8, 15, 16, 32, 64)}
-DEFAULT = {"batch": 256, "tokens": 4, "buffer_len": 16, "ring_size": 16}
+        "ring_size": (4, 8, 15, 16, 32, 64), "head_dim": (16, 64, 128, 129, 256)}
+DEFAULT = {"batch": 256, "tokens": 4, "buffer_len": 16, "ring_size": 16, "head_dim": 128}
 V = K = 128                  # GDN head (Qwen3.5-4B): Hk 16, Hv 32
 P, N, H, G = 64, 128, 128, 8   # Mamba2 head (Nemotron-3-Super)
 # Keys each table must have (the library promises f32, bf16 and f16 state, both families, both
@@ -148,6 +148,13 @@ def _m2_tile(entry):
   return config._mamba2(entry, P, N).fit(P, N, H // G)
 
 
+def _attention_launch(kind, key, point):
+  """Block, warps and stages (the splits follow a rule, tested below) at a Qwen3.5-4B layer."""
+  cfg = config.attention_decode_config(device_kind=kind, head_dim=point["head_dim"],
+                                       batch=point["batch"], num_kv_heads=4, seq_len=1040)
+  return cfg.block_kv, cfg.num_warps, cfg.num_stages
+
+
 # Per table: (the config functions' answer at a grid point for a key, the answer the rule's
 # entry gives at that point).
 CHECKS = {
@@ -224,6 +231,8 @@ CHECKS = {
                                                            head_v_dim=V),
                                config.mosaic_mamba2_verify_config(device_kind=kind, head_dim=P)),
         lambda e, kind, key, pt: (config.MosaicConfig(**e),) * 2),
+    "attention_decode": (_attention_launch,
+                         lambda e, kind, key, pt: (e["block_kv"], e["num_warps"], e["num_stages"])),
 }
 
 
@@ -269,6 +278,9 @@ def test_values_are_valid():
             assert isinstance(value, int) and value >= 0
           elif name == "mamba2_flush_block_n":
             assert config._pow2(config._size(value, N))
+          elif name == "attention_decode":
+            assert all(config._pow2(value[k]) for k in ("block_kv", "num_warps"))
+            assert value["num_stages"] >= 1 and value["min_programs"] >= 1
           elif name == "mosaic":
             cfg = config.MosaicConfig(**value)
             assert kind == "cpu" or cfg.block_v % 64 == 0
@@ -277,3 +289,11 @@ def test_values_are_valid():
           elif value is not None:
             assert isinstance(value["block_v"], int)   # only K chunks may depend on the head
             config._kernel(value, K)
+
+
+@pytest.mark.parametrize("batch,seq,splits", [(256, 1040, 1), (32, 1040, 2), (1, 1040, 4),
+                                              (1, 100, 1)])
+def test_attention_splits_fill_the_grid_but_keep_eight_blocks_each(batch, seq, splits):
+  cfg = config.attention_decode_config(device_kind="NVIDIA H200", head_dim=256, batch=batch,
+                                       num_kv_heads=4, seq_len=seq)
+  assert (cfg.block_kv, cfg.num_splits, cfg.num_warps, cfg.num_stages) == (32, splits, 4, 2)

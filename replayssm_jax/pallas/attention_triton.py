@@ -25,6 +25,7 @@ not TF32. Padding rows (slot < 0) read nothing and return zeros.
 Shapes: q [B, T, H, Dh]; k_pool, v_pool [N, S, Hkv, Dh]; slots, start int32[B]; o float32
 [B, T, H, Dh].
 """
+import dataclasses
 import functools
 
 import jax
@@ -33,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from replayssm_jax import _checks
+from replayssm_jax import _checks, config
 from replayssm_jax.pallas import common
 
 f32 = jnp.float32
@@ -138,19 +139,6 @@ def _decode_attention(q, k_pool, v_pool, slots, start, *, scale, block_kv, num_s
   return o.reshape(bsz, t, h, dh)
 
 
-def default_config(*, head_dim: int, batch: int, num_kv_heads: int, seq_len: int) -> dict:
-  """Launch knobs when the caller names none: K/V blocks of 64 tokens (32 at Dh = 256), 4 warps,
-  and splits of S while the (B, Hkv) grid alone would leave SMs idle (fewer than 256 programs).
-  H200, Qwen3.5-4B layer, 1k context (bench/results/attention_decode_2026-12-02_configs.json):
-  the fastest of 7 launch configs at B = 256, within 1 % of the fastest at B = 32; other GPUs
-  and the Nemotron-H geometry (Dh = 128) are untuned."""
-  block_kv = 32 if head_dim > 128 else 64
-  splits = 1
-  while batch * num_kv_heads * splits < 256 and seq_len >= 2 * splits * 8 * block_kv:
-    splits *= 2
-  return dict(block_kv=block_kv, num_splits=splits, num_warps=4, num_stages=2)
-
-
 def decode_attention(q, k_pool, v_pool, slots, start, *, scale, block_kv=None, num_splits=None,
                      num_warps=None, num_stages=None, interpret=None):
   """Causal attention of T new tokens per row over their slots' KV rows, read in place.
@@ -165,7 +153,7 @@ def decode_attention(q, k_pool, v_pool, slots, start, *, scale, block_kv=None, n
     scale: logit scale.
     block_kv: tokens per K/V block (a power of two, 16 <= block_kv <= S); num_splits: programs
       per (row, KV head) splitting the row's blocks (a power of two); num_warps, num_stages:
-      Triton launch options. None: ``default_config``.
+      Triton launch options. None: the device's table (``config.attention_decode_config``).
     interpret: run in the Pallas interpreter; None = on CPU (``common.interpret_mode``).
 
   Returns:
@@ -198,7 +186,8 @@ def decode_attention(q, k_pool, v_pool, slots, start, *, scale, block_kv=None, n
   if t > MAX_TOKENS:
     raise NotImplementedError(f"{OP}: T={t} tokens per row; the kernel serves decode and verify "
                               f"(T <= {MAX_TOKENS}); use implementation='xla'")
-  cfg = default_config(head_dim=dh, batch=bsz, num_kv_heads=hkv, seq_len=seq)
+  cfg = dataclasses.asdict(config.attention_decode_config(
+      device_kind=common.device_kind(), head_dim=dh, batch=bsz, num_kv_heads=hkv, seq_len=seq))
   for name, value in (("block_kv", block_kv), ("num_splits", num_splits), ("num_warps", num_warps),
                       ("num_stages", num_stages)):
     if value is not None:
