@@ -10,8 +10,9 @@ B, each a fresh ``Engine`` with ``max_running = B`` and one batch bucket B:
   spec-conv       num_drafts = k, replay = False     (n-gram drafts, conventional verify:
                                                       k + 1 states per slot, ``verify_stacks``)
 
-and, named in ``--arms`` only, ``decode-replay-overlap`` / ``decode-conv-overlap`` (the decode arms
-with ``EngineConfig.overlap``: each step dispatched before the host reads the previous one's tokens).
+and, named in ``--arms`` only, ``decode-replay-overlap`` / ``decode-conv-overlap`` /
+``spec-replay-overlap`` / ``spec-conv-overlap`` (those arms with ``EngineConfig.overlap``: each
+step dispatched before the host reads the previous one's tokens; drafts made on the device).
 
 Timed: the decode phase, from the first step after the last request was admitted to the last
 step, on the host clock (every step ends in a host read of its tokens, so the clock sees the
@@ -56,7 +57,9 @@ from replayssm_jax.serving import Engine, EngineConfig
 ARMS = {"decode-replay": (False, True, False), "decode-conv": (False, False, False),
         "spec-replay": (True, True, False), "spec-conv": (True, False, False),
         "decode-replay-overlap": (False, True, True),
-        "decode-conv-overlap": (False, False, True)}   # name: (drafting, replay, overlap)
+        "decode-conv-overlap": (False, False, True),
+        "spec-replay-overlap": (True, True, True),
+        "spec-conv-overlap": (True, False, True)}   # name: (drafting, replay, overlap)
 DEFAULT_ARMS = ("decode-replay", "decode-conv", "spec-replay", "spec-conv")
 
 
@@ -121,7 +124,7 @@ def _serve(model, config, prompts, new_tokens):
   engine.step()                      # admits (prefills) every request, then one step
   first = sum(len(engine.outputs()[i]) for i in ids)
   clocks = {name: _StepClock(getattr(engine._programs, name), wait=not config.overlapped)
-            for name in ("decode", "verify")}
+            for name in ("decode", "verify", "speculate")}
   engine._programs = dataclasses.replace(engine._programs, **clocks)
   steps, t0 = 0, time.perf_counter()
   while not engine.idle:

@@ -45,3 +45,17 @@ def test_engine_spec_smoke(tmp_path):
       assert r["drafted"] == 0 and r["tokens_per_step"] == 1.0
     elif r["prompts"] == "repetitive":
       assert r["accepted"] > 0 and r["tokens_per_step"] > 1.0
+
+
+def test_engine_spec_overlapped_drafting_smoke():
+  # The overlapped drafting arms (drafts made on the device) emit the decode arm's tokens with the
+  # synchronous drafting arm's drafts.
+  out = engine_spec.main(["--smoke", "--model", "looping", "--prompts", "repetitive", "--arms",
+                          "decode-replay,spec-replay,spec-replay-overlap,spec-conv-overlap"])
+  rows = out["result"]["rows"]
+  assert [r["arm"] for r in rows] == ["decode-replay", "spec-replay", "spec-replay-overlap",
+                                      "spec-conv-overlap"]
+  assert all(r["identical_to_baseline"] == 1.0 for r in rows)
+  assert rows[1]["accepted"] > 0
+  assert all((r["drafted"], r["accepted"]) == (rows[1]["drafted"], rows[1]["accepted"])
+             for r in rows[2:])

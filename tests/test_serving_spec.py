@@ -125,6 +125,52 @@ def test_speculative_greedy_equals_plain_greedy(model, plain, monkeypatch):
   assert set(shapes) - seen == {(4, 2)} and jitted._cache_size() == before + 1
 
 
+def test_overlapped_drafting_equals_synchronous_drafting(model, plain, tmp_path, monkeypatch):
+  plain, _ = plain
+  chained = []                       # per speculative dispatch: from the device carry?
+  dispatch = Engine._speculate
+
+  def recording(self, reqs, live, carry=None):
+    chained.append(carry is not None)
+    return dispatch(self, reqs, live, carry)
+  monkeypatch.setattr(Engine, "_speculate", recording)
+  overlapped = EngineConfig(**DRAFTING, num_drafts=K, overlap=True)
+  # Given overlapped steps drafted on the device, requests joining at different steps,
+  sync, sync_engine = _schedule(model, SPEC, [0, 0, 1, 2])
+  tokens, engine = _schedule(model, overlapped, [0, 0, 1, 2])
+  # then every request gets the plain tokens with the synchronous engine's drafts (the device
+  # drafter proposes what the host drafter does), and steps were chained on the device wherever
+  # no request waited (7 of 18 here: r3 waits for a slot);
+  assert tokens == plain == sync
+  for i in range(4):
+    a, b = engine.stats(f"r{i}"), sync_engine.stats(f"r{i}")
+    assert (a.drafted_tokens, a.accepted_drafts) == (b.drafted_tokens, b.accepted_drafts), i
+  assert sum(chained) >= len(chained) // 3 and not all(chained)
+  # a stop token inside an accepted run ends the request there, as synchronously,
+  stop = {0: dict(stop_tokens=(plain[0][1],))}
+  assert (_schedule(model, overlapped, [0, 0, 1, 2], stop)[0]
+          == _schedule(model, SPEC, [0, 0, 1, 2], stop)[0])
+  # and a preempt with a step in flight collects it first: the resumed engine finishes exactly.
+  def start():
+    engine = Engine(model, overlapped)
+    for i in range(4):
+      engine.submit(PROMPTS[i], max_new_tokens=NEW[i] + 4, num_drafts=DRAFTS[i],
+                    request_id=f"r{i}", **SUBMIT.get(i, {}))
+    return engine
+  _, expected, _, resumed = preempted(start, 3, tmp_path / "ckpt")
+  assert resumed.run() == expected
+
+
+def test_overlapped_drafting_needs_the_history_to_fit_max_seq_len():
+  gdn_only = make_model(rs.models.LMConfig.tiny(max_prompt_len=MAX_PROMPT), seed=0)
+  engine = Engine(gdn_only, EngineConfig(**DRAFTING, num_drafts=K, overlap=True, max_seq_len=40))
+  with pytest.raises(ValueError, match="exceeds max_seq_len=40, the device token history"):
+    engine.submit([1, 2, 3], max_new_tokens=38)
+  engine.submit([1, 2, 3], max_new_tokens=37)
+  Engine(gdn_only, EngineConfig(**DRAFTING, num_drafts=K, max_seq_len=40)).submit(
+      [1, 2, 3], max_new_tokens=38)   # synchronous drafting keeps no device history
+
+
 def _structure(model):
   """The key of the engine's programs for ``model``: (graphdef, parameter treedef)."""
   graphdef, params = nnx.split(model)

@@ -51,15 +51,19 @@ plus the host scheduler state (requests, slots, snapshots, clocks) as JSON and c
 see the same arrays (the drafters are rebuilt from each request's tokens: they are a function of
 them).
 
-Overlapped steps (plain decode, by default; ``overlap=False`` turns them off): a step is
-dispatched before the host reads the tokens of the one before, from those tokens on the device, so
-the host's work (reading tokens, stop and length checks, bookkeeping) runs while the device
-computes the next step. While requests wait for a slot, the engine collects first and admits as
-usual. A row that reaches
-``max_new_tokens`` in the step in flight is a padding row of the next; one that hits a stop token
-there computes one more token into the slot it frees, which nobody reads (the next request in
-that slot starts from a fresh prefill). Tokens are those of synchronous steps; ``step()`` reports
-a request finished one call later. ``preempt`` collects the step in flight first.
+Overlapped steps (plain decode, by default; ``overlap=False`` turns them off; ``overlap=True``
+with drafting): a step is dispatched before the host reads the tokens of the one before, from
+those tokens on the device, so the host's work (reading tokens, stop and length checks,
+bookkeeping) runs while the device computes the next step. While requests wait for a slot, the
+engine collects first and admits as usual. A row that reaches ``max_new_tokens`` in the step in
+flight is a padding row of the next; in plain decode one that hits a stop token there computes
+one more token into the slot it frees, which nobody reads (the next request in that slot starts
+from a fresh prefill). With drafting the device keeps each row's token history (prompt +
+``max_new_tokens`` must fit ``max_seq_len``), drafts with ``models.generate.ngram_drafts`` (what
+the host drafter proposes), applies the same draft cuts, and turns a row that emitted a stop token
+or reached its budget into a padding row. Tokens and drafts are those of synchronous steps;
+``step()`` reports a request finished one call later. ``preempt`` collects the step in flight
+first.
 
 Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
 request, so tokens never depend on the batch a request shares (speculative draws derive from the
@@ -84,7 +88,7 @@ from flax import nnx
 
 from replayssm_jax import config as config_lib
 from replayssm_jax.models import sampling
-from replayssm_jax.models.generate import MAX_DRAFTS
+from replayssm_jax.models.generate import MAX_DRAFTS, ngram_drafts
 from replayssm_jax.models.lm import LM, LMConfig
 from replayssm_jax.serving.drafter import NgramDrafter
 
@@ -122,10 +126,11 @@ class EngineConfig:
       it is refused at ``submit``.
     state_dtype, ring_dtype: cache dtypes (see ``LM.init_cache``).
     implementation: forwarded to the GDN / Mamba2 ops (None = fastest available).
-    overlap: dispatch each decode step from the previous step's tokens on the device before the
-      host reads them, so the host's bookkeeping of step t runs while step t + 1 computes (see
-      the module docstring). None (the default): on for plain decode, off with drafting or
-      prefix caching (``overlapped`` says which); True with either raises NotImplementedError.
+    overlap: dispatch each step from the previous step's tokens on the device before the host
+      reads them, so the host's bookkeeping of step t runs while step t + 1 computes (see the
+      module docstring); with drafting the drafts are made on the device too. None (the
+      default): on for plain decode, off with drafting or prefix caching (``overlapped`` says
+      which); True with prefix caching raises NotImplementedError.
       Measured on the H200 (bench/RESULTS.md "serving.Engine end to end"): Qwen3.5-4B preset,
       B = 32 3510 → 7575 tokens/s, B = 256 15841 → 23337.
   """
@@ -178,11 +183,10 @@ class EngineConfig:
       raise ValueError(f"replay={self.replay!r}; expected a bool")
     if self.overlap is not None and not isinstance(self.overlap, bool):
       raise ValueError(f"overlap={self.overlap!r}; expected None or a bool")
-    if self.overlap and (self.num_drafts or self.prefix_block):
+    if self.overlap and self.prefix_block:
       raise NotImplementedError(
-          f"overlap=True with num_drafts={self.num_drafts}, prefix_block={self.prefix_block}: "
-          f"overlapped steps are plain decode steps (drafts and snapshots need each step's tokens "
-          f"on the host first); use overlap=False")
+          f"overlap=True with prefix_block={self.prefix_block}: a prefix snapshot needs its step's "
+          f"tokens on the host first; use overlap=False")
 
   @property
   def overlapped(self) -> bool:
@@ -220,6 +224,19 @@ class _InFlight:
   reqs: list
   live: list
   tokens: jax.Array
+
+
+@dataclasses.dataclass
+class _InFlightVerify:
+  """A dispatched speculative step (drafted on the device): row i emits ``run[i, :emitted[i]]``
+  after ``drafted[i]`` drafts, for ``reqs[i]`` where ``live[i]``; ``carry`` (history, length,
+  generated, done), the device's per-row state the next chained step starts from."""
+  reqs: list
+  live: list
+  run: jax.Array
+  emitted: jax.Array
+  drafted: jax.Array
+  carry: tuple
 
 
 @dataclasses.dataclass
@@ -274,6 +291,42 @@ def _verify_impl(graphdef, treedef, leaves, cache, tokens, lengths, slots, force
   return run, emitted, model.commit(step, emitted)
 
 
+def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated, done, slots,
+                    budget, drafts_per_row, stops, temps, seeds, *, num_tokens, ngram, replay,
+                    implementation):
+  """A speculative step drafted on the device (overlapped steps): the synchronous path's verify
+  step, with ``models.generate.ngram_drafts`` (what the host drafter proposes) as the drafter.
+
+  Carried per row: history int32[B, S] (prompt and generated tokens at positions < length[b]),
+  length, generated (tokens generated so far) int32[B], done bool[B] (a stop token or the budget
+  reached on the device: a padding row from then on). Per request: slots (negative: padding),
+  budget (max_new_tokens), drafts_per_row (its num_drafts) int32[B], stops int32[B, M] (-1:
+  none), temps, seeds. Returns (run int32[B, T], emitted int32[B], drafted int32[B], carry, cache).
+  """
+  bsz, capacity = history.shape
+  live = (slots >= 0) & ~done
+  # The synchronous path's draft count: the request's k, cut to the remaining budget minus one.
+  drafted = jnp.where(live, jnp.clip(jnp.minimum(drafts_per_row, budget - generated - 1), 0,
+                                     num_tokens - 1), 0)
+  tokens = jnp.take_along_axis(history, (length - 1)[:, None], axis=1)
+  if num_tokens > 1:
+    tokens = jnp.concatenate(
+        [tokens, ngram_drafts(history, length, num_drafts=num_tokens - 1, ngram=ngram)], axis=1)
+  lane = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+  tokens = jnp.where(lane <= drafted[:, None], tokens, PAD_TOKEN)
+  run, emitted, cache = _verify_impl(
+      graphdef, treedef, leaves, cache, tokens, 1 + drafted, jnp.where(live, slots, -1),
+      jnp.zeros((bsz,), bool), temps, seeds, generated, replay=replay, implementation=implementation)
+  emitted_live = jnp.where(live, emitted, 0)
+  kept = lane < emitted_live[:, None]
+  where = jnp.where(kept, length[:, None] + lane, capacity)          # capacity: dropped
+  history = history.at[jnp.arange(bsz)[:, None], where].set(run, mode="drop")
+  stopped = jnp.any(kept & jnp.any(run[:, :, None] == stops[:, None, :], axis=-1), axis=1)
+  generated, length = generated + emitted_live, length + emitted_live
+  done = done | (live & (stopped | (generated >= budget)))
+  return run, emitted, drafted, (history, length, generated, done), cache
+
+
 def _copy_impl(graphdef, treedef, leaves, cache, src, dst):
   """Every layer's cache and the slot state of slot src[0] → dst[0] (``LM.copy_slots``)."""
   return _merge(graphdef, treedef, leaves).copy_slots(cache, src, dst)
@@ -286,6 +339,7 @@ class _Programs:
   prefill: Callable
   decode: Callable
   verify: Callable
+  speculate: Callable
   copy: Callable
 
 
@@ -301,6 +355,8 @@ def _programs(graphdef, treedef) -> _Programs:
       prefill=jax.jit(bind(_prefill_impl), donate_argnames=("cache",), static_argnames=("resume",)),
       decode=jax.jit(bind(_decode_impl), donate_argnames=("cache",), static_argnames=kernel_options),
       verify=jax.jit(bind(_verify_impl), donate_argnames=("cache",), static_argnames=kernel_options),
+      speculate=jax.jit(bind(_speculate_impl), donate_argnames=("cache", "history"),
+                        static_argnames=kernel_options + ("num_tokens", "ngram")),
       copy=jax.jit(bind(_copy_impl), donate_argnames=("cache",)))
 
 
@@ -349,7 +405,7 @@ class Engine:
     self._warned = False
     self._clock_base, self._t0 = 0.0, time.perf_counter()
     self._closed = False
-    self._inflight: _InFlight | None = None
+    self._inflight: _InFlight | _InFlightVerify | None = None
 
   # ---- public API ----------------------------------------------------------------------------
 
@@ -378,9 +434,13 @@ class Engine:
       raise ValueError(f"prompt holds ids in [{min(prompt)}, {max(prompt)}]; expected [0, {vocab})")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens!r}; expected an int >= 1")
-    if self.model.config.has_attention and len(prompt) + max_new_tokens > self.max_seq_len:
+    device_history = self.config.overlapped and self.config.num_drafts
+    if ((self.model.config.has_attention or device_history)
+        and len(prompt) + max_new_tokens > self.max_seq_len):
+      holds = "the KV cache capacity" if self.model.config.has_attention else (
+          "the device token history of overlapped drafting")
       raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds "
-                       f"max_seq_len={self.max_seq_len}, the KV cache capacity per request "
+                       f"max_seq_len={self.max_seq_len}, {holds} per request "
                        f"(EngineConfig.max_seq_len)")
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
         or not 0 <= temperature < float("inf")):
@@ -633,10 +693,14 @@ class Engine:
     a token nobody reads, into the slot it frees); otherwise the host collects, admits, and
     dispatches from its own tokens."""
     prev, self._inflight, finished = self._inflight, None, []
+    drafting = bool(self.config.num_drafts)
     if prev is not None and not self._waiting:
+      # Rows that may still run after prev (which emits at least one token per row).
       live = [ok and not r.done and len(r.generated) + 1 < r.max_new_tokens
               for r, ok in zip(prev.reqs, prev.live)]
-      if any(live):
+      if any(live) and drafting:
+        self._inflight = self._speculate(prev.reqs, live, carry=prev.carry)
+      elif any(live):
         self._inflight = self._dispatch(prev.reqs, live, prev.tokens,
                                         [len(r.generated) + 1 for r in prev.reqs])
     if prev is not None:
@@ -645,9 +709,45 @@ class Engine:
       finished += self._admit()
       if self._running:
         reqs = [self._requests[rid] for rid in self._running]
-        self._inflight = self._dispatch(reqs, [True] * len(reqs), [r.generated[-1] for r in reqs],
-                                        [len(r.generated) for r in reqs])
+        if drafting:
+          self._inflight = self._speculate(reqs, [True] * len(reqs))
+        else:
+          self._inflight = self._dispatch(reqs, [True] * len(reqs),
+                                          [r.generated[-1] for r in reqs],
+                                          [len(r.generated) for r in reqs])
     return finished
+
+  def _speculate(self, reqs, live, carry=None) -> _InFlightVerify:
+    """One speculative step of ``reqs`` drafted on the device (``live`` False: padding rows),
+    from ``carry`` (the device state of the chained step before) or, None, from the host's
+    tokens; not waited for."""
+    cfg = self.config
+    width = next(b for b in cfg.batch_buckets if b >= len(reqs))
+    rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
+    if carry is None:
+      history = np.full((width, self.max_seq_len), PAD_TOKEN, np.int32)
+      for i, r in enumerate(reqs):
+        seq = r.prompt + r.generated
+        history[i, :len(seq)] = seq
+      carry = (history, rows([len(r.prompt) + len(r.generated) for r in reqs], 1, np.int32),
+               rows([len(r.generated) for r in reqs], 0, np.int32),
+               rows([False] * len(reqs), False, bool))
+      # Committed like the carry a chained step passes, so both share one compiled program.
+      carry = jax.device_put(carry, self._cache.positions.sharding)
+    num_stops = max([len(r.stop_tokens) for r in reqs] + [1])
+    stops = np.full((width, num_stops), -1, np.int32)
+    for i, r in enumerate(reqs):
+      stops[i, :len(r.stop_tokens)] = r.stop_tokens
+    run, emitted, drafted, carry, self._cache = self._programs.speculate(
+        self._leaves, self._cache, *carry,
+        rows([r.slot if ok else -1 for r, ok in zip(reqs, live)], -1, np.int32),
+        rows([r.max_new_tokens for r in reqs], 1, np.int32),
+        rows([r.num_drafts for r in reqs], 0, np.int32), stops,
+        rows([r.temperature for r in reqs], 0.0, np.float32), rows([r.seed for r in reqs], 0, np.int32),
+        num_tokens=1 + max(r.num_drafts for r in reqs), ngram=cfg.ngram, replay=cfg.replay,
+        implementation=cfg.implementation)
+    return _InFlightVerify(reqs=reqs, live=live, run=run, emitted=emitted, drafted=drafted,
+                           carry=carry)
 
   def _dispatch(self, reqs, live, tokens, positions, force=()) -> _InFlight:
     """One decode step of ``reqs`` (rows with ``live`` False are padding rows; ``force``: rows
@@ -667,11 +767,23 @@ class Engine:
         rows(positions, 0, np.int32), replay=cfg.replay, implementation=cfg.implementation)
     return _InFlight(reqs=reqs, live=live, tokens=nxt)
 
-  def _collect(self, step: _InFlight) -> list:
-    """Reads a dispatched step's tokens and appends them to its live, unfinished rows."""
+  def _collect(self, step: "_InFlight | _InFlightVerify") -> list:
+    """Reads a dispatched step's tokens and appends them to its live, unfinished rows (a
+    speculative run up to its first stop token, as in ``_decode``)."""
+    if isinstance(step, _InFlightVerify):
+      run, emitted, drafted = (np.asarray(x) for x in (step.run, step.emitted, step.drafted))
+      runs = [run[i, :emitted[i]].tolist() for i in range(len(step.reqs))]
+      drafted = drafted.tolist()
+    else:
+      runs = [[tok] for tok in np.asarray(step.tokens).tolist()]
+      drafted = [0] * len(step.reqs)
     finished = []
-    for r, ok, tok in zip(step.reqs, step.live, np.asarray(step.tokens).tolist()):
-      if ok and not r.done and self._append(r, tok):
+    for r, ok, toks, d in zip(step.reqs, step.live, runs, drafted):
+      if not ok or r.done:
+        continue
+      r.drafted += d
+      r.accepted += len(toks) - 1
+      if any(self._append(r, tok) for tok in toks):
         finished.append(r.rid)
         self._running.remove(r.rid)
     return finished
