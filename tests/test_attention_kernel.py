@@ -93,7 +93,7 @@ def test_matches_float64_reference(t, h, hkv, dh, dtype, splits):
   _check(t, h, hkv, dh, dtype, num_splits=splits)
 
 
-def test_default_config_on_a_short_pool():
+def test_default_launch_on_a_short_pool():
   """S below the default block: the block shrinks to the largest power of two that fits."""
   rng = np.random.default_rng(3)
   slots, starts = np.array([1, 0], np.int32), np.array([0, 17], np.int32)
