@@ -56,12 +56,12 @@ with drafting): a step is dispatched before the host reads the tokens of the one
 those tokens on the device, so the host's work (reading tokens, stop and length checks,
 bookkeeping) runs while the device computes the next step. While requests wait for a slot, the
 engine collects first and admits as usual. A row that reaches ``max_new_tokens`` in the step in
-flight is a padding row of the next; in plain decode one that hits a stop token there computes
-one more token into the slot it frees, which nobody reads (the next request in that slot starts
-from a fresh prefill). With drafting the device keeps each row's token history (prompt +
-``max_new_tokens`` must fit ``max_seq_len``), drafts with ``models.generate.ngram_drafts`` (what
-the host drafter proposes), applies the same draft cuts, and turns a row that emitted a stop token
-or reached its budget into a padding row. Tokens and drafts are those of synchronous steps;
+flight is a padding row of the next; one that hits a stop token there computes one more step
+into the slot it frees, which nobody reads (the next request in that slot starts from a fresh
+prefill). With drafting the device keeps each row's token history (prompt + ``max_new_tokens``
+must fit ``max_seq_len``), drafts with ``models.generate.ngram_drafts`` (what the host drafter
+proposes), applies the same draft cuts, and makes a row that reached its budget a padding row
+(no stop-token list on the device: its shape would vary with the requests). Tokens and drafts are those of synchronous steps;
 ``step()`` reports a request finished one call later. ``preempt`` collects the step in flight
 first.
 
@@ -292,16 +292,17 @@ def _verify_impl(graphdef, treedef, leaves, cache, tokens, lengths, slots, force
 
 
 def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated, done, slots,
-                    budget, drafts_per_row, stops, temps, seeds, *, num_tokens, ngram, replay,
+                    budget, drafts_per_row, temps, seeds, *, num_tokens, ngram, replay,
                     implementation):
   """A speculative step drafted on the device (overlapped steps): the synchronous path's verify
   step, with ``models.generate.ngram_drafts`` (what the host drafter proposes) as the drafter.
 
   Carried per row: history int32[B, S] (prompt and generated tokens at positions < length[b]),
-  length, generated (tokens generated so far) int32[B], done bool[B] (a stop token or the budget
-  reached on the device: a padding row from then on). Per request: slots (negative: padding),
-  budget (max_new_tokens), drafts_per_row (its num_drafts) int32[B], stops int32[B, M] (-1:
-  none), temps, seeds. Returns (run int32[B, T], emitted int32[B], drafted int32[B], carry, cache).
+  length, generated (tokens generated so far) int32[B], done bool[B] (budget reached on the
+  device: a padding row from then on; a row past a stop token runs on, unread, as in plain
+  overlapped decode). Per request: slots (negative: padding), budget (max_new_tokens),
+  drafts_per_row (its num_drafts) int32[B], temps, seeds. Returns (run int32[B, T],
+  emitted int32[B], drafted int32[B], carry, cache).
   """
   bsz, capacity = history.shape
   live = (slots >= 0) & ~done
@@ -321,9 +322,8 @@ def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated
   kept = lane < emitted_live[:, None]
   where = jnp.where(kept, length[:, None] + lane, capacity)          # capacity: dropped
   history = history.at[jnp.arange(bsz)[:, None], where].set(run, mode="drop")
-  stopped = jnp.any(kept & jnp.any(run[:, :, None] == stops[:, None, :], axis=-1), axis=1)
   generated, length = generated + emitted_live, length + emitted_live
-  done = done | (live & (stopped | (generated >= budget)))
+  done = done | (live & (generated >= budget))
   return run, emitted, drafted, (history, length, generated, done), cache
 
 
@@ -734,15 +734,11 @@ class Engine:
                rows([False] * len(reqs), False, bool))
       # Committed like the carry a chained step passes, so both share one compiled program.
       carry = jax.device_put(carry, self._cache.positions.sharding)
-    num_stops = max([len(r.stop_tokens) for r in reqs] + [1])
-    stops = np.full((width, num_stops), -1, np.int32)
-    for i, r in enumerate(reqs):
-      stops[i, :len(r.stop_tokens)] = r.stop_tokens
     run, emitted, drafted, carry, self._cache = self._programs.speculate(
         self._leaves, self._cache, *carry,
         rows([r.slot if ok else -1 for r, ok in zip(reqs, live)], -1, np.int32),
         rows([r.max_new_tokens for r in reqs], 1, np.int32),
-        rows([r.num_drafts for r in reqs], 0, np.int32), stops,
+        rows([r.num_drafts for r in reqs], 0, np.int32),
         rows([r.temperature for r in reqs], 0.0, np.float32), rows([r.seed for r in reqs], 0, np.int32),
         num_tokens=1 + max(r.num_drafts for r in reqs), ngram=cfg.ngram, replay=cfg.replay,
         implementation=cfg.implementation)
