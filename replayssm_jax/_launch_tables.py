@@ -301,7 +301,7 @@ CPU = DeviceTables(
     # Interpret mode ignores Mosaic layouts: 16-row tiles give two tiles per 32-row head; four rows
     # per program cover the double-buffered row loop.
     mosaic=Table({ANY: always({"block_v": 16, "rows": 4})}, source=_INTERPRET),
-    attention_decode=Table({ANY: (({"head_dim": (129, None)}, _attention(32)), ({}, _attention(64)))},
+    attention_decode=Table(H200.attention_decode.rows,
                            source=("interpret mode: the GPU's blocks, so CPU tests see the split rule "
                                    "and short-pool clipping as the GPU does",)),
 )

@@ -61,9 +61,9 @@ into the slot it frees, which nobody reads (the next request in that slot starts
 prefill). With drafting the device keeps each row's token history (prompt + ``max_new_tokens``
 must fit ``max_seq_len``), drafts with ``models.generate.ngram_drafts`` (what the host drafter
 proposes), applies the same draft cuts, and makes a row that reached its budget a padding row
-(no stop-token list on the device: its shape would vary with the requests). Tokens and drafts are those of synchronous steps;
-``step()`` reports a request finished one call later. ``preempt`` collects the step in flight
-first.
+(no stop-token list on the device: its shape would vary with the requests). Tokens and drafts
+are those of synchronous steps; ``step()`` reports a request finished one call later.
+``preempt`` collects the step in flight first.
 
 Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
 request, so tokens never depend on the batch a request shares (speculative draws derive from the
@@ -434,7 +434,7 @@ class Engine:
       raise ValueError(f"prompt holds ids in [{min(prompt)}, {max(prompt)}]; expected [0, {vocab})")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens!r}; expected an int >= 1")
-    device_history = self.config.overlapped and self.config.num_drafts
+    device_history = self.config.overlapped and self.config.num_drafts > 0
     if ((self.model.config.has_attention or device_history)
         and len(prompt) + max_new_tokens > self.max_seq_len):
       holds = "the KV cache capacity" if self.model.config.has_attention else (
@@ -688,10 +688,11 @@ class Engine:
 
   def _overlapped_step(self) -> list:
     """Collects the step in flight and dispatches the next. While no request waits, the next
-    step is dispatched first, from the device tokens of the one in flight (same rows; a row that
-    reaches max_new_tokens there becomes a padding row, one that hits a stop token there computes
-    a token nobody reads, into the slot it frees); otherwise the host collects, admits, and
-    dispatches from its own tokens."""
+    step is dispatched first, from the device tokens of the one in flight (with drafting, its
+    device carry: token history, lengths, budgets) (same rows; a row that reaches max_new_tokens
+    there becomes a padding row, one that hits a stop token there computes a step nobody reads,
+    into the slot it frees); otherwise the host collects, admits, and dispatches from its own
+    tokens."""
     prev, self._inflight, finished = self._inflight, None, []
     drafting = bool(self.config.num_drafts)
     if prev is not None and not self._waiting:
