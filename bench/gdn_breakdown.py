@@ -4,17 +4,22 @@ Not an honest-cycle benchmark (cursors do not advance; windows are frozen at a s
 of lengths 0..L-1): a breakdown that times each pass of ``replay_decode`` on its own at one shape,
 over P rotating layer pools like bench.gdn_decode. With ``--tokens T`` (T ≥ 2) the same for
 ``replay_verify``: fused and split step kernels with and without flushing rows, the readout
-launch, the fold pass at the verify ring size, and the conventional speculative verify. Run on a
-GPU:
+launch, the fold pass at the verify ring size, and the conventional speculative verify. The
+decode breakdown also times the read-only floor of any output-only step: each row's checkpoint
+read once per step and reduced against q (no ring, no store), as a Pallas-Triton stream of
+[BV, K] tiles per value head at ``--stream-configs`` and as an XLA reduce fusion. Run on a GPU:
 
     python -m bench.gdn_breakdown --batch 256 --buffer-len 16 --state-dtype float32
     python -m bench.gdn_breakdown --batch 256 --buffer-len 16 --tokens 4 --config bv32w4
 """
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 import replayssm_jax as rs
 from bench import common
@@ -60,13 +65,54 @@ def per_layer(fn, slots_of):
   return step
 
 
-def _time(fn, carry, label, rows):
+def _time(fn, carry, label, rows, nbytes=None):
+  """Times ``fn`` per layer-step; ``nbytes`` (bytes read per layer-step) adds the bandwidth."""
   call = jax.jit(lambda c, n: lax.fori_loop(0, n, lambda _, c: fn(c), c), donate_argnums=0)
   _, t = common.time_loop(call, carry, **TIMING)
   # One cycle = one step over all P layers: report per layer-step.
   s = t.ms_per(LAYERS)
-  rows.append([label, f"{s['median_ms']:.4f}", f"{s['p20_ms']:.4f}-{s['p80_ms']:.4f}"])
+  rows.append([label, f"{s['median_ms']:.4f}", f"{s['p20_ms']:.4f}-{s['p80_ms']:.4f}",
+               "" if nbytes is None else f"{nbytes / s['median_ms'] / 1e6:.0f}"])
   common.log(f"{label}: {s['median_ms']:.4f} ms per layer-step")
+
+
+def _stream_kernel(slots_ref, q_ref, state_ref, o_ref, *, group, block_v):
+  """o[b, h, tile] = S_c[slot, h, tile, :] · q[b, h // group]: the checkpoint bytes alone."""
+  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  tile = pl.ds(vt * block_v, block_v)
+  S = state_ref[slots_ref[b], h, tile, :].astype(jnp.float32)
+  o_ref[b, h, tile] = jnp.sum(S * q_ref[b, h // group, :].astype(jnp.float32)[None, :], axis=1)
+
+
+def stream_readout(q, state, slots, *, block_v, num_warps):
+  """o [B, Hv, V] = S_c[slots] · q per value head (f32), by the read-only Pallas-Triton stream."""
+  kernel = functools.partial(_stream_kernel, group=HV // HK, block_v=block_v)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(kernel, grid=(VD // block_v, HV, slots.shape[0]), in_specs=[any_spec] * 3,
+                        out_specs=any_spec, interpret=INTERPRET,
+                        out_shape=jax.ShapeDtypeStruct((slots.shape[0], HV, VD), jnp.float32),
+                        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+                        )(slots, q, state)
+
+
+def stream_pass(q, *, block_v, num_warps):
+  """The read-only stream as a pass ``fn(bufs, slots)``; o is fed back into one state element
+  (neither dead code nor loop-invariant)."""
+  def fn(b, slots):
+    o = stream_readout(q, b.state, slots, block_v=block_v, num_warps=num_warps)
+    return b.replace(state=b.state.at[0, 0, 0, 0].set(o[-1, -1, -1].astype(b.state.dtype)))
+  return fn
+
+
+def xla_stream_pass(q, batch):
+  """The same read-only reduction as one XLA reduce fusion over a contiguous slice of the pool."""
+  qv = jnp.repeat(q.astype(jnp.float32), HV // HK, axis=1)                 # [B, Hv, K]
+
+  def fn(b, slots):
+    S = lax.dynamic_slice_in_dim(b.state, slots[0], batch, axis=0)
+    o = jnp.sum(S.astype(jnp.float32) * qv[:, :, None, :], axis=-1)
+    return b.replace(state=b.state.at[0, 0, 0, 0].set(o[-1, -1, -1].astype(b.state.dtype)))
+  return fn
 
 
 def verify_breakdown(B, L, T, P, sdt, knobs):
@@ -119,10 +165,10 @@ def verify_breakdown(B, L, T, P, sdt, knobs):
                     ("readout launch only", readout),
                     (f"fold pass only, {flushing} rows", fold)):
     _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows)
-  _time(conventional, stack, "conventional speculative verify", rows)
+  _time(conventional, stack, "conventional speculative verify", rows, None)
   print(f"\nB={B} L={L} T={T} R={cursor.ring_size} state={sdt} P={P}\nstep {cfg.step}\n"
         f"readout {cfg.readout}\nfold {cfg.fold} fold_rows {cfg.fold_rows}")
-  print(common.render_table(["pass", "ms/layer-step", "p20-p80"], rows))
+  print(common.render_table(["pass", "ms/layer-step", "p20-p80", "GB/s read"], rows))
 
 
 def main(argv=None):
@@ -133,6 +179,8 @@ def main(argv=None):
   p.add_argument("--state-dtype", default="float32")
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--config", default="default", help="step launch config, e.g. bv64w2bk64")
+  p.add_argument("--stream-configs", default="bv8w1,bv16w1,bv32w2,bv64w2,bv64w4",
+                 help="[BV, K] tiles / warps of the read-only checkpoint stream ('' for none)")
   p.add_argument("--reps", type=int, default=7, help="timed calls per pass")
   p.add_argument("--rep-seconds", type=float, default=0.2, help="target seconds per timed call")
   args = p.parse_args(argv)
@@ -172,15 +220,25 @@ def main(argv=None):
     return b.replace(state=rs.gdn.decode(*xs, b.state, slots, scale=scale,
                                          implementation="pallas_triton")[1])
 
+  checkpoint_bytes = B * HV * VD * KD * sdt.itemsize
+  streams = [("checkpoint read only, XLA reduce", xla_stream_pass(xs[0], B))]
+  for name in filter(None, args.stream_configs.split(",")):
+    knobs = common.parse_config(name).kwargs()
+    streams.append((f"checkpoint read only, Triton {name}",
+                    stream_pass(xs[0], block_v=knobs.get("block_v", 16), num_warps=knobs.get("num_warps", 1))))
   for label, fn in ((f"replay step+fold, 1/{L} rows flush", replay(True)),
                     ("replay step+fold, no row flushes", replay(False)),
                     (f"fold pass only, 1/{L} rows fold {L} entries", fold(True)),
                     ("fold pass only, no active row", fold(False)),
-                    ("conventional decode", conventional)):
-    _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows)
-  print(f"\nB={B} L={L} state={sdt} P={P} step config {cfg.step} fold {cfg.fold} "
+                    ("conventional decode", conventional),
+                    *streams):
+    _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows,
+          checkpoint_bytes if label.startswith("checkpoint") else None)
+  ceiling = common.measure_copy_ceiling(2 * 2**30 if not INTERPRET else 2**20)["gbps"]
+  print(f"\ncopy ceiling {ceiling:.0f} GB/s (read + written)")
+  print(f"B={B} L={L} state={sdt} P={P} step config {cfg.step} fold {cfg.fold} "
         f"({cfg.fold_tiles} tiles per program) route {cfg.route}")
-  print(common.render_table(["pass", "ms/layer-step", "p20-p80"], rows))
+  print(common.render_table(["pass", "ms/layer-step", "p20-p80", "GB/s read"], rows))
   return rows
 
 

@@ -181,11 +181,11 @@ def _timed(compiled, params, carry, *, buffer_len, reps, rep_seconds):
 
 # ---- the run ---------------------------------------------------------------------------------
 
-def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers):
+def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, buffer_len=None):
   """Lowers every (context, B, mode) step program and part, compiles them in parallel, then times
-  them one after the other."""
+  them one after the other. ``buffer_len`` None: the preset's L (``BUFFER_LEN``)."""
   config = model_config(name)
-  buffer_len = BUFFER_LEN.get(name, 8)
+  buffer_len = BUFFER_LEN.get(name, 8) if buffer_len is None else buffer_len
   model = make_model(config, seed=0)
   graphdef, params = nnx.split(model)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -307,12 +307,16 @@ def main(argv=None) -> dict:
   p.add_argument("--contexts", default="1024,8192", help="tokens already in each slot's KV cache")
   p.add_argument("--parts", nargs="?", const="all", default=None,
                  help="also time each kind of layer alone: at every batch, or at the comma-separated ones given")
+  p.add_argument("--buffer-len", type=int, default=None,
+                 help="ReplaySSM buffer length L for every preset (default: the preset's, BUFFER_LEN)")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--rep-seconds", type=float, default=0.25)
   p.add_argument("--compile-workers", type=int, default=8, help="programs compiled at once")
   p.add_argument("--out-json", default=None)
   p.add_argument("--plot", default=None, help="write the speed-up plot (PNG) here")
   args = p.parse_args(argv)
+  if args.buffer_len is not None and args.buffer_len < 1:
+    p.error(f"--buffer-len {args.buffer_len}: expected an int >= 1")
   names = list(SMOKE) if args.smoke else args.presets.split(",")
   batches = [2] if args.smoke else [int(b) for b in args.batches.split(",")]
   contexts = [8] if args.smoke else [int(c) for c in args.contexts.split(",")]
@@ -320,7 +324,8 @@ def main(argv=None) -> dict:
   parts = True if args.smoke or args.parts == "all" else (
       {int(b) for b in args.parts.split(",")} if args.parts else False)
   results = [run_preset(n, batches=batches, contexts=contexts, parts=parts, reps=reps,
-                        rep_seconds=rep_seconds, workers=args.compile_workers) for n in names]
+                        rep_seconds=rep_seconds, workers=args.compile_workers,
+                        buffer_len=args.buffer_len) for n in names]
   print(_tables(results))
   out = {"meta": common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.model_e2e"),
          "results": results}

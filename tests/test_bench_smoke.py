@@ -553,8 +553,23 @@ def test_gdn_breakdown_runs_each_pass():
   breaks silently when their signatures move: run it once on CPU, interpreted."""
   from bench import gdn_breakdown  # noqa: PLC0415
   rows = gdn_breakdown.main(["--batch", "2", "--buffer-len", "2", "--layers", "1", "--config", "ft2",
-                             "--reps", "1", "--rep-seconds", "0.001"])
-  assert len(rows) == 5 and all(float(r[1]) > 0 for r in rows)
+                             "--reps", "1", "--rep-seconds", "0.001", "--stream-configs", "bv8w1,bv64w2"])
+  assert len(rows) == 8 and all(float(r[1]) > 0 for r in rows)
+  assert [r[0] for r in rows[-3:]] == ["checkpoint read only, XLA reduce",
+                                       "checkpoint read only, Triton bv8w1",
+                                       "checkpoint read only, Triton bv64w2"]
+
+
+def test_gdn_breakdown_read_only_stream_reads_the_rows_checkpoints():
+  """The read-only floor's kernel computes S_c[slot] · q per value head (padding-free slots)."""
+  from bench import gdn_breakdown as gb  # noqa: PLC0415
+  state = jax.random.normal(jax.random.key(0), (5, gb.HV, gb.VD, gb.KD), jnp.float32)
+  q = jax.random.normal(jax.random.key(1), (3, gb.HK, gb.KD), jnp.float32)
+  slots = jnp.array([4, 0, 2], jnp.int32)
+  qv = jnp.repeat(q, gb.HV // gb.HK, axis=1)
+  want = jnp.einsum("bhvk,bhk->bhv", state[slots], qv, precision="highest")
+  got = gb.stream_readout(q, state, slots, block_v=32, num_warps=1)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------
