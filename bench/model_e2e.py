@@ -6,10 +6,11 @@ activations, float32 recurrent state, bf16 rings. Every slot already holds ``--c
 in its KV cache (the attention layers read them every step; the KV capacity is context + L) and
 the recurrent rows start at staggered cursor phases (row b has b mod (L-1) pending entries), so
 every step mixes flushing and non-flushing rows. One program per (mode, B, context): a
-``lax.fori_loop`` over whole flush cycles of L greedy decode steps (``LM.decode``, argmax fed
-back, cache donated; each cycle rewinds the positions to the context, so every cycle attends over
-the same number of tokens), timed by ``bench.common.time_loop`` (warm-up, calibration, median and
-p20/p80 of ``--reps`` timed calls). tokens/s = B / (ms per step).
+``lax.fori_loop`` over whole flush cycles of L (``--buffer-len``, by default the library's 16)
+greedy decode steps (``LM.decode``, argmax fed back, cache donated; each cycle rewinds the
+positions to the context, so every cycle attends over the same number of tokens), timed by
+``bench.common.time_loop`` (warm-up, calibration, median and p20/p80 of ``--reps`` timed calls).
+tokens/s = B / (ms per step).
 
 Per-part split (``--parts``): each kind of layer is timed alone at the same B and context, as a
 loop of whole flush cycles of its own step, and multiplied by its count in the model: recurrent
@@ -33,13 +34,12 @@ import numpy as np
 from flax import nnx
 
 from bench import common
+from replayssm_jax import config as config_lib
 from replayssm_jax.models import make_model
 from replayssm_jax.models import hf as hf_lib
 from replayssm_jax.models.attention import AttentionLayerCache
 from replayssm_jax.models.presets import preset
 
-# Buffer length per family: the best L of vLLM's ReplaySSM study (8 for Nemotron, 16 for Qwen3.5).
-BUFFER_LEN = {"qwen3.5-4b": 16, "qwen3-next-80b-a3b": 16, "nemotron-h-8b": 8, "mamba-codestral-7b": 8}
 # Depth that fits one H200 with room for a batch-512 cache (512 experts per layer: 1.6B params each).
 DEPTH = {"qwen3-next-80b-a3b": 12}
 SMOKE = {"tiny-qwen3_5": "qwen3_5", "tiny-nemotron_h": "nemotron_h"}   # tests/data/hf directories
@@ -183,9 +183,10 @@ def _timed(compiled, params, carry, *, buffer_len, reps, rep_seconds):
 
 def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, buffer_len=None):
   """Lowers every (context, B, mode) step program and part, compiles them in parallel, then times
-  them one after the other. ``buffer_len`` None: the preset's L (``BUFFER_LEN``)."""
+  them one after the other. ``buffer_len`` None: the library's decode default
+  (``config.DECODE_BUFFER_LEN``, what a cache made without one gets)."""
   config = model_config(name)
-  buffer_len = BUFFER_LEN.get(name, 8) if buffer_len is None else buffer_len
+  buffer_len = config_lib.DECODE_BUFFER_LEN if buffer_len is None else buffer_len
   model = make_model(config, seed=0)
   graphdef, params = nnx.split(model)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -308,7 +309,7 @@ def main(argv=None) -> dict:
   p.add_argument("--parts", nargs="?", const="all", default=None,
                  help="also time each kind of layer alone: at every batch, or at the comma-separated ones given")
   p.add_argument("--buffer-len", type=int, default=None,
-                 help="ReplaySSM buffer length L for every preset (default: the preset's, BUFFER_LEN)")
+                 help="ReplaySSM buffer length L (default: the library's decode default, 16)")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--rep-seconds", type=float, default=0.25)
   p.add_argument("--compile-workers", type=int, default=8, help="programs compiled at once")

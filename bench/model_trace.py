@@ -30,6 +30,7 @@ from flax import nnx
 from bench import common
 from bench import model_decode
 from bench import model_e2e
+from replayssm_jax import config as config_lib
 from replayssm_jax.models import LMConfig, make_model
 
 
@@ -81,11 +82,10 @@ def trace_loop(model, *, batch: int, buffer_len: int, cycles: int, implementatio
 
 
 def trace_preset(model, name: str, *, batch: int, context: int, cycles: int, mode: str,
-                 hlo_path=None) -> list[dict]:
+                 buffer_len: int, hlo_path=None) -> list[dict]:
   """bench.model_e2e's step loop of ``model``, built from the preset ``name``
   (``implementation=None``), with ``context`` tokens in every KV slot; ``mode`` conventional or
   replay."""
-  buffer_len = model_e2e.BUFFER_LEN.get(name, 8)
   replay = model_e2e.MODES[mode]
   graphdef, params = nnx.split(model)
   fn = model_e2e._step_loop(graphdef, replay=replay, buffer_len=buffer_len, context=context)
@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--context", type=int, default=1024, help="KV tokens per slot (--preset)")
   parser.add_argument("--batch", type=int, default=None, help="rows (default 256; smoke 4)")
   parser.add_argument("--buffer-len", type=int, default=None,
-                      help="L of the --stack loop (default 16); a preset uses bench.model_e2e's")
+                      help="L of the loop (default 16, the library's decode default)")
   parser.add_argument("--cycles", type=int, default=4, help="flush cycles traced")
   parser.add_argument("--implementations", default="none",
                       help="comma-separated; 'none' = implementation=None (the library's choice)")
@@ -133,18 +133,18 @@ def main(argv=None) -> dict:
     for mode in modes:
       if mode not in model_e2e.MODES:
         parser.error(f"--modes {mode!r}: a preset runs one of {', '.join(model_e2e.MODES)}")
-    if args.implementations != "none" or args.buffer_len is not None:
-      parser.error("--preset runs implementation=None at bench.model_e2e's L; drop "
-                   "--implementations and --buffer-len")
+    if args.implementations != "none":
+      parser.error("--preset runs implementation=None; drop --implementations")
+    preset_len = config_lib.DECODE_BUFFER_LEN if args.buffer_len is None else args.buffer_len
     try:
       model = make_model(model_e2e.model_config(args.preset), seed=0)
     except ValueError as e:
       parser.error(f"--preset: {e}")
     for mode in modes:
       record(mode, "none", trace_preset(model, args.preset, batch=batch, context=args.context,
-                                        cycles=args.cycles, mode=mode, hlo_path=hlo(mode, "none")))
-    setup = {"preset": args.preset, "context": args.context,
-             "buffer_len": model_e2e.BUFFER_LEN.get(args.preset, 8)}
+                                        cycles=args.cycles, mode=mode, buffer_len=preset_len,
+                                        hlo_path=hlo(mode, "none")))
+    setup = {"preset": args.preset, "context": args.context, "buffer_len": preset_len}
   else:
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     geometry = model_decode.stack_geometry(args.stack, args.smoke)

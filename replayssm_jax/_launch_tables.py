@@ -167,15 +167,16 @@ H200 = DeviceTables(
     # Per layer-step vs the conventional kernel, bf16 ring. GDN, L = 16 (measured there only):
     # f32 replay 0.34x / 0.78x / 1.23x / 1.43x at B = 1 / 8 / 32 / 128, flush-every-step 1.13x /
     # 1.00x / 0.98x / 0.97x; bf16 replay 0.34x / 0.53x / 1.02x / 1.14x. Mamba2 f32, L ≤ 8: replay
-    # 0.76x / 0.98x / 1.09x / 1.17x at B = 1 / 8 / 32 / 128; L = 16 loses up to B = 128 (0.90x),
-    # wins at 256. Mamba2 bf16: L = 8 / 16 replay 0.83x / 0.86x at B = 32, 1.05x / 1.03x at 128;
+    # 0.76x / 0.98x / 1.09x / 1.17x at B = 1 / 8 / 32 / 128; L = 16 with the [64, N] step tile
+    # 1.30x / 1.47x at B = 32 / 128 (it lost up to B = 128 with [32, N] tiles). Mamba2 bf16: L = 8 / 16 replay 0.83x / 0.86x at B = 32, 1.05x / 1.03x at 128;
     # L = 4 0.99x at 128, 1.06x at 256. Flush-every-step runs at 0.93-1.03x everywhere.
     replay_min_batch=Table({
         ("gdn", "f32"): always(32),
         ("gdn", "bf16"): always(32),
-        ("mamba2", "f32"): (({"buffer_len": (None, 8)}, 32), ({}, 256)),
+        ("mamba2", "f32"): always(32),
         ("mamba2", "bf16"): (({"buffer_len": (None, 7)}, 256), ({}, 128)),
     }, source=("gdn_decode_2026-11-30_batches.json",
+               "mamba2_decode_2026-12-03_step_tiles_L8_L16.log",
                "gdn_decode_2026-11-30_small_batch_defaults.json",
                "git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s4_matrix_f32.log",
                "git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s7_bf16_matrix.json",
@@ -201,13 +202,15 @@ H200 = DeviceTables(
         "bf16": always("output_only"),
     }, source=("git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s4_matrix_f32.log",
                "git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s7_bf16_matrix.json")),
-    # Output-only [32, 128] checkpoint tiles in [32, 32] chunks, 4 heads per program share B_j·C:
-    # B = 256, L = 8, f32 0.4250 ms; six other tiles 0.4213-0.4591 (none better by more than the
-    # 1 % spread). Reconstruct one head per program (nothing shared), *untuned*.
+    # Output-only: a head's whole [64, 128] checkpoint per program in 2 warps, 4 heads per program
+    # share B_j·C. B = 256, f32: L = 16 0.3578 ms against 0.3987 for [32, 128] tiles (the window's
+    # B_j·C, computed per program, is then computed once per head); L = 8 0.4213 against 0.4250.
+    # Reconstruct one head per program (nothing shared), *untuned*.
     mamba2_replay_step=Table({
-        "output_only": always(_m2(32, 2, 32, heads=4)),
+        "output_only": always(_m2(64, 2, 32, heads=4)),
         "reconstruct": always(_m2(32, 2, 32, heads=1)),
     }, source=("mamba2_decode_2026-12-03_step_fold_tiles.json",
+               "mamba2_decode_2026-12-03_L16_tiles.json",
                "untuned (reconstruct): GDN's replay-step tile size")),
     # R < 16 (unrolled rank-one FMAs), B = 256, L = 8, f32: [64, 64]/4 0.4436 ms, [32, 128]/4
     # 0.4465, GDN's [32, 64]/2 0.4522, [16, 64]/4 0.4896. R ≥ 16: GDN's fold tile (*untuned* here).
