@@ -132,7 +132,8 @@ class EngineConfig:
       default): on for plain decode, off with drafting or prefix caching (``overlapped`` says
       which); True with prefix caching raises NotImplementedError.
       Measured on the H200 (bench/RESULTS.md "serving.Engine end to end"): Qwen3.5-4B preset,
-      B = 32 3510 → 7575 tokens/s, B = 256 15841 → 23337.
+      B = 32 3510 → 7575 tokens/s, B = 256 15841 → 23337; drafting k = 3 (looping weights,
+      B = 256) 17365 → 21164.
   """
   max_running: int = 4
   batch_buckets: tuple = (1, 2, 4)
