@@ -165,7 +165,7 @@ def verify_breakdown(B, L, T, P, sdt, knobs):
                     ("readout launch only", readout),
                     (f"fold pass only, {flushing} rows", fold)):
     _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows)
-  _time(conventional, stack, "conventional speculative verify", rows, None)
+  _time(conventional, stack, "conventional speculative verify", rows)
   print(f"\nB={B} L={L} T={T} R={cursor.ring_size} state={sdt} P={P}\nstep {cfg.step}\n"
         f"readout {cfg.readout}\nfold {cfg.fold} fold_rows {cfg.fold_rows}")
   print(common.render_table(["pass", "ms/layer-step", "p20-p80", "GB/s read"], rows))
@@ -220,20 +220,21 @@ def main(argv=None):
     return b.replace(state=rs.gdn.decode(*xs, b.state, slots, scale=scale,
                                          implementation="pallas_triton")[1])
 
-  checkpoint_bytes = B * HV * VD * KD * sdt.itemsize
-  streams = [("checkpoint read only, XLA reduce", xla_stream_pass(xs[0], B))]
+  checkpoint_bytes = B * HV * VD * KD * sdt.itemsize     # what each read-only stream reads
+  passes = [(f"replay step+fold, 1/{L} rows flush", replay(True), None),
+            ("replay step+fold, no row flushes", replay(False), None),
+            (f"fold pass only, 1/{L} rows fold {L} entries", fold(True), None),
+            ("fold pass only, no active row", fold(False), None),
+            ("conventional decode", conventional, None),
+            ("checkpoint read only, XLA reduce", xla_stream_pass(xs[0], B), checkpoint_bytes)]
   for name in filter(None, args.stream_configs.split(",")):
     knobs = common.parse_config(name).kwargs()
-    streams.append((f"checkpoint read only, Triton {name}",
-                    stream_pass(xs[0], block_v=knobs.get("block_v", 16), num_warps=knobs.get("num_warps", 1))))
-  for label, fn in ((f"replay step+fold, 1/{L} rows flush", replay(True)),
-                    ("replay step+fold, no row flushes", replay(False)),
-                    (f"fold pass only, 1/{L} rows fold {L} entries", fold(True)),
-                    ("fold pass only, no active row", fold(False)),
-                    ("conventional decode", conventional),
-                    *streams):
+    passes.append((f"checkpoint read only, Triton {name}",
+                   stream_pass(xs[0], block_v=knobs.get("block_v", 16),
+                               num_warps=knobs.get("num_warps", 1)), checkpoint_bytes))
+  for label, fn, nbytes in passes:
     _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows,
-          checkpoint_bytes if label.startswith("checkpoint") else None)
+          nbytes)
   ceiling = common.measure_copy_ceiling(2 * 2**30 if not INTERPRET else 2**20)["gbps"]
   print(f"\ncopy ceiling {ceiling:.0f} GB/s (read + written)")
   print(f"B={B} L={L} state={sdt} P={P} step config {cfg.step} fold {cfg.fold} "

@@ -168,8 +168,9 @@ H200 = DeviceTables(
     # f32 replay 0.34x / 0.78x / 1.23x / 1.43x at B = 1 / 8 / 32 / 128, flush-every-step 1.13x /
     # 1.00x / 0.98x / 0.97x; bf16 replay 0.34x / 0.53x / 1.02x / 1.14x. Mamba2 f32, L ≤ 8: replay
     # 0.76x / 0.98x / 1.09x / 1.17x at B = 1 / 8 / 32 / 128; L = 16 with the [64, N] step tile
-    # 1.30x / 1.47x at B = 32 / 128 (it lost up to B = 128 with [32, N] tiles). Mamba2 bf16: L = 8 / 16 replay 0.83x / 0.86x at B = 32, 1.05x / 1.03x at 128;
-    # L = 4 0.99x at 128, 1.06x at 256. Flush-every-step runs at 0.93-1.03x everywhere.
+    # 1.30x / 1.47x at B = 32 / 128 (it lost up to B = 128 with [32, N] tiles). Mamba2 bf16:
+    # L = 8 / 16 replay 0.83x / 0.86x at B = 32, 1.05x / 1.03x at 128; L = 4 0.99x at 128, 1.06x
+    # at 256. Flush-every-step runs at 0.93-1.03x everywhere.
     replay_min_batch=Table({
         ("gdn", "f32"): always(32),
         ("gdn", "bf16"): always(32),
