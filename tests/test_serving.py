@@ -156,10 +156,10 @@ def test_overlapped_steps_emit_the_same_tokens(model, solo, tmp_path, monkeypatc
   assert resumed.run() == expected
 
 
-def test_overlap_is_the_plain_decode_default_and_refuses_prefix_caching():
+def test_overlap_is_the_default_except_with_prefix_caching():
   assert OVERLAP.overlapped and not CFG.overlapped
-  assert not EngineConfig(**BASE, num_drafts=2).overlapped and not PREFIX.overlapped
-  assert EngineConfig(**BASE, overlap=True, num_drafts=2).overlapped
+  assert EngineConfig(**BASE, num_drafts=2).overlapped and not PREFIX.overlapped
+  assert not EngineConfig(**BASE, overlap=False, num_drafts=2).overlapped
   with pytest.raises(NotImplementedError, match="overlap=True with prefix_block=8"):
     EngineConfig(**BASE, overlap=True, prefix_block=8)
   with pytest.raises(ValueError, match="overlap=1; expected None or a bool"):

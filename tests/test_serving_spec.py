@@ -43,7 +43,7 @@ PLAIN = EngineConfig(**BASE)
 # Drafting engines run every step in the 4-row bucket (padding rows included): one verify
 # program per T to compile; PLAIN shares test_serving's programs.
 DRAFTING = BASE | dict(batch_buckets=(4,))
-SPEC = EngineConfig(**DRAFTING, num_drafts=K)
+SPEC = EngineConfig(**DRAFTING, num_drafts=K, overlap=False)   # synchronous drafting
 RNG = np.random.RandomState(1)
 # Prompt 0 holds the cycle its greedy stream follows (drafts hit from the first step), 2 enters a
 # cycle after a few tokens, 1 and 3 are random.
@@ -134,7 +134,8 @@ def test_overlapped_drafting_equals_synchronous_drafting(model, plain, tmp_path,
     chained.append(carry is not None)
     return dispatch(self, reqs, live, carry)
   monkeypatch.setattr(Engine, "_speculate", recording)
-  overlapped = EngineConfig(**DRAFTING, num_drafts=K, overlap=True)
+  overlapped = EngineConfig(**DRAFTING, num_drafts=K)   # the default: overlapped steps
+  assert overlapped.overlapped
   # Given overlapped steps drafted on the device, requests joining at different steps,
   sync, sync_engine = _schedule(model, SPEC, [0, 0, 1, 2])
   tokens, engine = _schedule(model, overlapped, [0, 0, 1, 2])
@@ -163,11 +164,12 @@ def test_overlapped_drafting_equals_synchronous_drafting(model, plain, tmp_path,
 
 def test_overlapped_drafting_needs_the_history_to_fit_max_seq_len():
   gdn_only = make_model(rs.models.LMConfig.tiny(max_prompt_len=MAX_PROMPT), seed=0)
-  engine = Engine(gdn_only, EngineConfig(**DRAFTING, num_drafts=K, overlap=True, max_seq_len=40))
-  with pytest.raises(ValueError, match="exceeds max_seq_len=40, the device token history"):
+  engine = Engine(gdn_only, EngineConfig(**DRAFTING, num_drafts=K, max_seq_len=40))
+  with pytest.raises(ValueError, match="exceeds max_seq_len=40, the device token history of "
+                                       "overlapped drafting per request .* or overlap=False"):
     engine.submit([1, 2, 3], max_new_tokens=38)
   engine.submit([1, 2, 3], max_new_tokens=37)
-  Engine(gdn_only, EngineConfig(**DRAFTING, num_drafts=K, max_seq_len=40)).submit(
+  Engine(gdn_only, EngineConfig(**DRAFTING, num_drafts=K, max_seq_len=40, overlap=False)).submit(
       [1, 2, 3], max_new_tokens=38)   # synchronous drafting keeps no device history
 
 

@@ -51,10 +51,10 @@ plus the host scheduler state (requests, slots, snapshots, clocks) as JSON and c
 see the same arrays (the drafters are rebuilt from each request's tokens: they are a function of
 them).
 
-Overlapped steps (plain decode, by default; ``overlap=False`` turns them off; ``overlap=True``
-with drafting): a step is dispatched before the host reads the tokens of the one before, from
-those tokens on the device, so the host's work (reading tokens, stop and length checks,
-bookkeeping) runs while the device computes the next step. While requests wait for a slot, the
+Overlapped steps (the default, except with prefix caching; ``overlap=False`` turns them off): a
+step is dispatched before the host reads the tokens of the one before, from those tokens on the
+device, so the host's work (reading tokens, stop and length checks, bookkeeping) runs while the
+device computes the next step. While requests wait for a slot, the
 engine collects first and admits as usual. A row that reaches ``max_new_tokens`` in the step in
 flight is a padding row of the next; one that hits a stop token there computes one more step
 into the slot it frees, which nobody reads (the next request in that slot starts from a fresh
@@ -128,12 +128,12 @@ class EngineConfig:
     implementation: forwarded to the GDN / Mamba2 ops (None = fastest available).
     overlap: dispatch each step from the previous step's tokens on the device before the host
       reads them, so the host's bookkeeping of step t runs while step t + 1 computes (see the
-      module docstring); with drafting the drafts are made on the device too. None (the
-      default): on for plain decode, off with drafting or prefix caching (``overlapped`` says
-      which); True with prefix caching raises NotImplementedError.
-      Measured on the H200 (bench/RESULTS.md "serving.Engine end to end"): Qwen3.5-4B preset,
-      B = 32 3510 → 7575 tokens/s, B = 256 15841 → 23337; drafting k = 3 (looping weights,
-      B = 256) 17365 → 21164.
+      module docstring); with drafting the drafts are made on the device too, and every
+      request must fit ``max_seq_len`` (its device token history). None (the default): on
+      unless prefix caching (``overlapped`` says which); True with prefix caching raises
+      NotImplementedError. Measured on the H200 (bench/RESULTS.md "serving.Engine end to
+      end"): Qwen3.5-4B preset, B = 32 3510 → 7575 tokens/s, B = 256 15841 → 23337; drafting
+      k = 3 (looping weights) B = 32 6477 → 12702, B = 256 17365 → 21164.
   """
   max_running: int = 4
   batch_buckets: tuple = (1, 2, 4)
@@ -191,9 +191,9 @@ class EngineConfig:
 
   @property
   def overlapped(self) -> bool:
-    """Whether decode steps overlap (``overlap`` resolved: None means plain decode)."""
+    """Whether steps overlap (``overlap`` resolved: None means on unless prefix caching)."""
     if self.overlap is None:
-      return not (self.num_drafts or self.prefix_block)
+      return not self.prefix_block
     return self.overlap
 
   @property
@@ -438,11 +438,11 @@ class Engine:
     device_history = self.config.overlapped and self.config.num_drafts > 0
     if ((self.model.config.has_attention or device_history)
         and len(prompt) + max_new_tokens > self.max_seq_len):
-      holds = "the KV cache capacity" if self.model.config.has_attention else (
-          "the device token history of overlapped drafting")
+      holds, fix = ("the KV cache capacity", "") if self.model.config.has_attention else (
+          "the device token history of overlapped drafting", ", or overlap=False")
       raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds "
                        f"max_seq_len={self.max_seq_len}, {holds} per request "
-                       f"(EngineConfig.max_seq_len)")
+                       f"(EngineConfig.max_seq_len{fix})")
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
         or not 0 <= temperature < float("inf")):
       raise ValueError(f"temperature={temperature!r}; expected a finite float >= 0")
