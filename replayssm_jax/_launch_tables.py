@@ -168,16 +168,21 @@ H200 = DeviceTables(
     # f32 replay 0.34x / 0.78x / 1.23x / 1.43x at B = 1 / 8 / 32 / 128, flush-every-step 1.13x /
     # 1.00x / 0.98x / 0.97x; bf16 replay 0.34x / 0.53x / 1.02x / 1.14x. Mamba2 f32, L ≤ 8: replay
     # 0.76x / 0.98x / 1.09x / 1.17x at B = 1 / 8 / 32 / 128; L = 16 with the [64, N] step tile
-    # 1.30x / 1.47x at B = 32 / 128 (it lost up to B = 128 with [32, N] tiles). Mamba2 bf16:
-    # L = 8 / 16 replay 0.83x / 0.86x at B = 32, 1.05x / 1.03x at 128; L = 4 0.99x at 128, 1.06x
-    # at 256. Flush-every-step runs at 0.93-1.03x everywhere.
+    # 1.30x / 1.47x at B = 32 / 128 (it lost up to B = 128 with [32, N] tiles). Mamba2 bf16 with
+    # the [64, N] tile: L = 16 replay 1.19x / 1.21x / 1.29x at B = 32 / 64 / 128, flush-every-step
+    # 0.99-1.00x; L = 8 0.97x at B = 32 (1.05x at 128 with [32, N] tiles); L = 4 0.99x at 128, 1.06x
+    # at 256. L = 9-15 keep L = 8's threshold (unmeasured). Flush-every-step runs at 0.93-1.03x
+    # everywhere.
     replay_min_batch=Table({
         ("gdn", "f32"): always(32),
         ("gdn", "bf16"): always(32),
         ("mamba2", "f32"): always(32),
-        ("mamba2", "bf16"): (({"buffer_len": (None, 7)}, 256), ({}, 128)),
+        ("mamba2", "bf16"): (({"buffer_len": (None, 7)}, 256), ({"buffer_len": (None, 15)}, 128),
+                             ({}, 32)),
     }, source=("gdn_decode_2026-11-30_batches.json",
                "mamba2_decode_2026-12-03_step_tiles_L8_L16.log",
+               "mamba2_decode_2026-12-03_bf16_small_batch_L16.json",
+               "mamba2_decode_2026-12-03_defaults_L8_L16.json",
                "gdn_decode_2026-11-30_small_batch_defaults.json",
                "git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s4_matrix_f32.log",
                "git show 60b2ea2:bench/results/mamba2_decode_2026-11-29_s7_bf16_matrix.json",

@@ -170,7 +170,7 @@ def test_flush_all_decode_equals_conventional(model):
 
 def test_small_batch_policy_switch(model, monkeypatch):
   """On a GPU the policy turns on below config.replay_min_batch (GDN: 32, either state dtype;
-  Mamba2 f32: 32; bf16: 128 at L >= 8, else 256); a hybrid takes the smaller
+  Mamba2 f32: 32; bf16: 32 at L >= 16, 128 at L >= 8, else 256); a hybrid takes the smaller
   threshold. Never on CPU."""
   assert model._small_batch(model.init_cache(1), 1) is False
   monkeypatch.setattr(importlib.import_module("replayssm_jax.pallas.common"), "device_kind",
@@ -182,6 +182,7 @@ def test_small_batch_policy_switch(model, monkeypatch):
   assert [m2._small_batch(m2.init_cache(1, buffer_len=8), b) for b in (31, 32)] == [True, False]
   assert [m2._small_batch(m2.init_cache(1), b) for b in (31, 32, 256)] == [True, False, False]
   m2_bf16 = lambda L: m2.init_cache(1, buffer_len=L, state_dtype=jnp.bfloat16)
+  assert [m2._small_batch(m2_bf16(16), b) for b in (31, 32)] == [True, False]
   assert [m2._small_batch(m2_bf16(8), b) for b in (127, 128)] == [True, False]
   assert [m2._small_batch(m2_bf16(4), b) for b in (128, 255, 256)] == [True, True, False]
   hybrid = make_model(LMConfig.tiny_hybrid(), seed=0)
