@@ -48,6 +48,11 @@ def _attention(block_kv, num_warps=4, num_stages=2, min_programs=256):
           "min_programs": min_programs}
 
 
+def _grouped(block_m, block_n, block_k, num_warps, num_stages):
+  return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps,
+          "num_stages": num_stages}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceTables:
   """Every launch table of one device kind. ``num_sms``: None turns off the rule that shrinks a
@@ -75,6 +80,7 @@ class DeviceTables:
   mamba2_materialize: Table        # Mamba2 materialize tile
   mosaic: Table                    # Mosaic GPU kernels: state-tile rows, batch rows per program
   attention_decode: Table          # decode attention: K/V block, warps, stages, split target; by head_dim
+  grouped_matmul: Table            # MoE grouped matmul tile; by rows (token-expert pairs)
 
 
 H200 = DeviceTables(
@@ -261,6 +267,12 @@ H200 = DeviceTables(
     attention_decode=Table({ANY: (({"head_dim": (129, None)}, _attention(32)), ({}, _attention(64)))},
                            source=("attention_decode_2026-12-02_configs.json",
                                    "untuned (head_dim <= 128): twice the Dh = 256 block")),
+    # Qwen3-Next MoE layer (D 2048, 512 experts of I 512, top-10), ms per step, [BM, BN, BK]/warps:
+    # B = 256 [16, 64, 64]/4 1.094, [16, 128, 64]/4 1.037, [16, 64, 128]/4 1.135, [16, 128, 128]/8
+    # 1.104; B = 32 0.626 / 0.657 / 0.611 / 0.635; B = 1 0.268 / 0.315 / 0.283 / 0.248 (XLA's
+    # ragged_dot 12.91 / 1.79 / 0.82). No tile leads at every batch by more than 5 %: the first.
+    grouped_matmul=Table({ANY: always(_grouped(16, 64, 64, 4, 3))},
+                         source=("moe_decode_2026-12-03_configs.json",)),
 )
 
 # Any other GPU: the H200's tiles (the only GPU measured), and no Mosaic preference for verify
@@ -313,6 +325,7 @@ CPU = DeviceTables(
     attention_decode=Table(H200.attention_decode.rows,
                            source=("interpret mode: the GPU's blocks, so CPU tests see the split rule "
                                    "and short-pool clipping as the GPU does",)),
+    grouped_matmul=Table({ANY: always(_grouped(16, 16, 16, 4, 1))}, source=_INTERPRET),
 )
 
 # Device-independent defaults (measured on the H200).

@@ -562,3 +562,38 @@ def attention_decode_config(*, device_kind: str, head_dim: int, batch: int, num_
     splits *= 2
   return AttentionConfig(block_kv=block, num_splits=splits, num_warps=entry["num_warps"],
                          num_stages=entry["num_stages"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupedMatmulConfig:
+  """MoE grouped-matmul launch (pallas/moe_triton.py): [block_m, block_n] output tiles, K walked in
+  blocks of block_k (all powers of two ≥ 16: Triton's smallest dot), warps, pipeline stages."""
+  block_m: int
+  block_n: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "block_k"):
+      value = getattr(self, name)
+      if not _pow2(value) or value < 16:
+        raise ValueError(f"{name}={value!r}; expected a power of two >= 16 (Triton's smallest dot)")
+    if not _pow2(self.num_warps) or self.num_warps > 32:
+      raise ValueError(f"num_warps={self.num_warps!r}; expected a power of two <= 32")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages!r}; expected an int >= 1")
+
+  def override(self, **knobs) -> "GroupedMatmulConfig":
+    return dataclasses.replace(self, **{k: v for k, v in knobs.items() if v is not None})
+
+  def fit(self, k: int, n: int) -> "GroupedMatmulConfig":
+    """Column and K blocks that divide N and K (both multiples of 16): the largest power of two
+    dividing each, capped by the config's."""
+    return dataclasses.replace(self, block_n=min(self.block_n, _pow2_part(n)),
+                               block_k=min(self.block_k, _pow2_part(k)))
+
+
+def grouped_matmul_config(*, device_kind: str, rows: int) -> GroupedMatmulConfig:
+  """The device's grouped-matmul tile for ``rows`` (T·k token-expert pairs)."""
+  return GroupedMatmulConfig(**_pick(tables.for_device(device_kind).grouped_matmul, rows=rows))

@@ -806,3 +806,28 @@ def test_attention_decode_smoke_gates_and_times_every_arm(tmp_path, monkeypatch)
   attention_decode.main([*argv, "--arms", "kernel-permuted"])
   row, = json.loads(out.read_text())["rows"]
   assert row["gate"] == "FAILED"
+
+
+def test_moe_decode_smoke_gates_and_times_both_arms(tmp_path, monkeypatch):
+  """``python -m bench.moe_decode --smoke``: a row per arm and kernel config with a passing gate
+  and a time; a kernel whose outputs are off fails its gate."""
+  from bench import moe_decode
+  from replayssm_jax.pallas import moe_triton
+  out = tmp_path / "moe.json"
+  argv = ["--smoke", "--reps", "2", "--rep-seconds", "0.001", "--configs", "default,bm32bn16",
+          "--out-json", str(out)]
+  moe_decode.main(argv)
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["arm"], r["config"]) for r in rows] == [("xla", "-"), ("pallas_triton", "default"),
+                                                     ("pallas_triton", "bm32bn16")]
+  assert all(r["gate"] == "ok" and r["median_ms"] > 0 and r["experts_hit"] >= 2 for r in rows)
+  assert moe_decode.parse_config("bm16bn128w8") == (("block_m", 16), ("block_n", 128), ("num_warps", 8))
+  with pytest.raises(ValueError, match="kernel config 'bq16'"):
+    moe_decode.parse_config("bq16")
+
+  real = moe_triton.grouped_matmul
+  monkeypatch.setattr(moe_triton, "grouped_matmul", lambda *a, **kw: 2 * real(*a, **kw))
+  moe_decode.main(["--smoke", "--reps", "2", "--rep-seconds", "0.001", "--arms", "pallas_triton",
+                   "--out-json", str(out)])
+  row, = json.loads(out.read_text())["rows"]
+  assert row["gate"] == "FAILED"

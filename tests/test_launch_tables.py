@@ -22,8 +22,10 @@ FAMILY_STATE = tuple(itertools.product(("gdn", "mamba2"), STATES))
 # does not bound an input (B = 256 keeps every grid wide enough for the two-programs-per-SM rule).
 GRID = {"batch": (1, 2, 7, 8, 9, 31, 32, 33, 127, 128, 129, 255, 256, 1024),
         "tokens": (1, 2, 3, 4, 5, 8), "buffer_len": (2, 4, 7, 8, 12, 16, 32),
-        "ring_size": (4, 8, 15, 16, 32, 64), "head_dim": (16, 64, 128, 129, 256)}
-DEFAULT = {"batch": 256, "tokens": 4, "buffer_len": 16, "ring_size": 16, "head_dim": 128}
+        "ring_size": (4, 8, 15, 16, 32, 64), "head_dim": (16, 64, 128, 129, 256),
+        "rows": (1, 16, 2560, 81920)}
+DEFAULT = {"batch": 256, "tokens": 4, "buffer_len": 16, "ring_size": 16, "head_dim": 128,
+           "rows": 2560}
 V = K = 128                  # GDN head (Qwen3.5-4B): Hk 16, Hv 32
 P, N, H, G = 64, 128, 128, 8   # Mamba2 head (Nemotron-3-Super)
 # Keys each table must have (the library promises f32, bf16 and f16 state, both families, both
@@ -233,6 +235,9 @@ CHECKS = {
         lambda e, kind, key, pt: (config.MosaicConfig(**e),) * 2),
     "attention_decode": (_attention_launch,
                          lambda e, kind, key, pt: (e["block_kv"], e["num_warps"], e["num_stages"])),
+    "grouped_matmul": (lambda kind, key, pt: config.grouped_matmul_config(device_kind=kind,
+                                                                          rows=pt["rows"]),
+                       lambda e, kind, key, pt: config.GroupedMatmulConfig(**e)),
 }
 
 
@@ -281,6 +286,8 @@ def test_values_are_valid():
           elif name == "attention_decode":
             assert all(config._pow2(value[k]) for k in ("block_kv", "num_warps"))
             assert value["num_stages"] >= 1 and value["min_programs"] >= 1
+          elif name == "grouped_matmul":
+            config.GroupedMatmulConfig(**value)
           elif name == "mosaic":
             cfg = config.MosaicConfig(**value)
             assert kind == "cpu" or cfg.block_v % 64 == 0

@@ -388,10 +388,10 @@ class Block(nnx.Module):
     return (self.mixer.mamba2, self.mixer.attention) if self.layer_type == "parallel" else (self.mixer,)
 
 
-def _attention_implementation(implementation):
-  """The attention layers' implementation under a model-level one: the same name where the
-  attention step has it ("xla", "pallas_triton"); None (its automatic choice) under
-  "pallas_mosaic", which names the recurrent kernels only (there is no Mosaic attention)."""
+def _layer_implementation(implementation):
+  """The attention and MoE layers' implementation under a model-level one: the same name where
+  they have it ("xla", "pallas_triton"); None (their automatic choice) under "pallas_mosaic",
+  which names the recurrent kernels only (there is no Mosaic attention or grouped matmul)."""
   return None if implementation == "pallas_mosaic" else implementation
 
 
@@ -472,9 +472,10 @@ class LM(nnx.Module):
     """A mixer output; on a tensor-parallel shard, the sum of the devices' partial outputs."""
     return y if self.tp_axis is None else jax.lax.psum(y, self.tp_axis)
 
-  def _run_blocks(self, h, cache, mixer_fn):
+  def _run_blocks(self, h, cache, mixer_fn, implementation=None):
     """h through every block; ``mixer_fn(mixer, x, layer_cache) -> (y, layer_cache)`` runs one
-    mixer layer (a parallel block calls it for its Mamba2, then its attention, and adds the two)."""
+    mixer layer (a parallel block calls it for its Mamba2, then its attention, and adds the two);
+    ``implementation`` (a model-level name) picks the MoE layers' grouped matmul."""
     caches, layers, r = iter(cache.layers), [], self.config.residual_multiplier
     for block in self.blocks:
       if block.has_mixer:
@@ -485,7 +486,9 @@ class LM(nnx.Module):
           layers.append(lc)
         h = h + r * self._mixed(sum(ys[1:], ys[0]))
       if block.has_mlp:
-        y = block.mlp(block.mlp_norm(h))
+        x = block.mlp_norm(h)
+        y = (block.mlp(x, implementation=_layer_implementation(implementation))
+             if block.mlp_type == "moe" else block.mlp(x))
         # Experts are split over the tensor-parallel axis (partial sums); dense MLPs are replicated.
         h = h + r * (self._mixed(y) if block.mlp_type == "moe" else y)
     return h, tuple(layers)
@@ -569,8 +572,8 @@ class LM(nnx.Module):
       cache: LMCache.
       slots: int32[B] pool slots (negative = padding row: no cache change, logits meaningless).
       replay: ReplaySSM decode (True) or conventional decode on the checkpoint pool (False).
-      implementation: forwarded to the GDN / Mamba2 ops and the attention layers
-        (``_attention_implementation``).
+      implementation: forwarded to the GDN / Mamba2 ops, the attention and MoE layers
+        (``_layer_implementation``).
       force_flush: optional bool[B]: these rows fold their window into the checkpoint this step
         (e.g. at a prefix-cache block boundary), leaving an empty window. Replay mode only
         matters; conventional mode always writes the state.
@@ -594,11 +597,11 @@ class LM(nnx.Module):
     def mixer_fn(mixer, x, lc):
       if isinstance(lc, AttentionLayerCache):
         y, lc = mixer.step(x[:, None], lc, slots, start, live[:, None],
-                           implementation=_attention_implementation(implementation))
+                           implementation=_layer_implementation(implementation))
         return y[:, 0], lc
       return mixer.decode(x, lc, plan, replay=replay, implementation=implementation)
 
-    h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn)
+    h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn, implementation)
     # Conventional mode never appends to the ring, so the windows stay empty and are not advanced.
     cursor = cache.cursor.commit(plan) if replay else cache.cursor
     return self._head(h), cache.replace(layers=layers, cursor=cursor,
@@ -637,7 +640,7 @@ class LM(nnx.Module):
       replay: ReplaySSM verify (True: drafts in the rings) or conventional verify (False: the
         states after every token in the stacks of an ``init_cache(verify_stacks=True)`` cache).
       implementation: forwarded to ``gdn.replay_verify`` / ``mamba2.replay_verify`` (or their
-        ``verify_conventional``) and the attention layers (``_attention_implementation``).
+        ``verify_conventional``), the attention and MoE layers (``_layer_implementation``).
       force_flush: optional bool[B], as in ``decode`` (ReplaySSM only matters).
 
     Returns:
@@ -665,7 +668,7 @@ class LM(nnx.Module):
         windows.append(None)
         stacks_out.append(None)
         return mixer.step(x, lc, slots, start, valid,
-                          implementation=_attention_implementation(implementation))
+                          implementation=_layer_implementation(implementation))
       if replay:
         y, lc, window = mixer.verify(x, lc, plan, lengths=lengths, implementation=implementation)
       else:
@@ -675,7 +678,7 @@ class LM(nnx.Module):
       stacks_out.append(stack)
       return y, lc
 
-    h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn)
+    h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn, implementation)
     out = cache.replace(layers=layers) if replay else cache.replace(layers=layers, stacks=tuple(stacks_out))
     return self._head(h), VerifyStep(cache=out, plan=plan, windows=tuple(windows), replay=replay)
 

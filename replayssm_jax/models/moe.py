@@ -20,12 +20,13 @@ Granite's router takes the softmax of the k largest logits, which is the renorma
 at bfloat16 this module is slightly more exact than they are; at float32 the two agree.
 
 Dispatch: the T·k (token, expert) pairs are sorted by expert (``argsort``), the tokens gathered in
-that order and both expert projections run as grouped matmuls (``jax.lax.ragged_dot``, group sizes
-= tokens per expert, data, not shapes), then the rows are put back in pair order and summed per
+that order and both expert projections run as grouped matmuls (``grouped_matmul``, group sizes =
+tokens per expert, data, not shapes), then the rows are put back in pair order and summed per
 token with their weights. Every shape is static (T·k rows), no [T, E, ·] intermediate exists, and
-the matmul work follows k, not E. (That is the program this module traces. On CPU, JAX lowers
-``ragged_dot`` to a masked dense product over all groups; on GPU and TPU to XLA's ragged-dot
-instruction.)
+the matmul work follows k, not E. The grouped matmul is ``jax.lax.ragged_dot`` ("xla"; on CPU JAX
+lowers it to a masked dense product over all groups, on GPU to XLA's ragged-dot instruction) or
+the Pallas-Triton kernel of pallas/moe_triton.py, which streams each expert's weights once per
+16-row tile ("pallas_triton", the GPU default).
 
 Tensor parallelism: every computation is linear in the expert / shared intermediate dimension
 after the activation, and nothing here reads its full size from the config (only from the
@@ -81,6 +82,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from replayssm_jax import _dispatch
 
 f32 = jnp.float32
 ROUTERS = ("softmax", "sigmoid")
@@ -186,6 +189,19 @@ class MoEConfig:
     return self.activation == "swiglu"
 
 
+def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None, implementation=None):
+  """``jax.lax.ragged_dot(x, w, group_sizes)``: x [M, K] rows sorted by group, w [E, K, N],
+  group_sizes int32[E] → [M, N] (``preferred_element_type``, default x.dtype). ``implementation``:
+  None (GPU: the Pallas-Triton kernel, else XLA), "xla" or "pallas_triton" (``_dispatch``)."""
+  def run_triton():
+    from replayssm_jax.pallas import moe_triton  # noqa: PLC0415
+    return moe_triton.grouped_matmul(x, w, group_sizes, preferred_element_type=preferred_element_type)
+  return _dispatch.run("moe.grouped_matmul", implementation, {
+      "xla": lambda: jax.lax.ragged_dot(x, w, group_sizes,
+                                        preferred_element_type=preferred_element_type),
+      "pallas_triton": run_triton})
+
+
 def _act(h, gated: bool):
   """silu(gate) · up over the halves of the last axis (gated), else relu(h)²."""
   if gated:
@@ -249,7 +265,8 @@ class MoE(nnx.Module):
       weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return weights * c.routed_scaling_factor, idx
 
-  def __call__(self, x):
+  def __call__(self, x, *, implementation=None):
+    """x [..., D] → y [..., D]; ``implementation`` picks the grouped matmul (``grouped_matmul``)."""
     c = self.config
     if x.ndim < 1 or x.shape[-1] != c.hidden_size:
       raise ValueError(f"x has shape {list(x.shape)}; expected [..., {c.hidden_size}] (hidden_size)")
@@ -262,8 +279,10 @@ class MoE(nnx.Module):
     experts = idx.reshape(-1)                                              # [T·k] pair → expert
     order = jnp.argsort(experts, stable=True)                              # pairs sorted by expert
     sizes = jnp.bincount(experts, length=c.num_experts).astype(jnp.int32)  # [E] rows per expert
-    a = _act(jax.lax.ragged_dot(h[order // k], getattr(self, self.w_in)[...], sizes), c.gated)  # [T·k, I]
-    y = jax.lax.ragged_dot(a, self.down[...], sizes, preferred_element_type=f32)  # [T·k, Din]
+    a = _act(grouped_matmul(h[order // k], getattr(self, self.w_in)[...], sizes,
+                            implementation=implementation), c.gated)                    # [T·k, I]
+    y = grouped_matmul(a, self.down[...], sizes, preferred_element_type=f32,
+                       implementation=implementation)                                  # [T·k, Din]
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
     y = jnp.einsum("tkd,tk->td", y[unsort].reshape(t, k, -1), weights)     # [T, Din] float32
     if c.latent_size is not None:
