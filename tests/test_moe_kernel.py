@@ -119,26 +119,33 @@ def test_moe_layer_through_the_kernel_equals_ragged_dot():
 def test_model_level_implementation_reaches_the_moe_layers(monkeypatch):
   """``LM.decode(implementation=...)`` runs the MoE layers' grouped matmuls through the kernel for
   "pallas_triton" (two per MoE layer: expert in and down projections), through XLA for "xla", and
-  on the automatic choice (XLA on CPU) for "pallas_mosaic"; the logits agree."""
+  on the automatic choice (None: the kernel on a GPU, XLA on CPU) for "pallas_mosaic", which names
+  the recurrent kernels only; the logits agree. Attention mixers, so no Mosaic kernel is asked for
+  at these tiny widths."""
+  from replayssm_jax.models.attention import AttentionConfig
   from replayssm_jax.models.lm import LMConfig, make_model
   calls = []
   kernel = moe_triton.grouped_matmul
   monkeypatch.setattr(moe_triton, "grouped_matmul", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-  cfg = LMConfig.tiny(num_layers=2, mlp_types=("moe", "dense"), dtype=jnp.float32,
+  cfg = LMConfig.tiny(num_layers=2, layer_types=("attention", "attention"), mlp_types=("moe", "dense"),
+                      dtype=jnp.float32,
+                      attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16),
                       moe=moe_lib.MoEConfig(hidden_size=64, num_experts=4, top_k=2,
                                             expert_intermediate_size=32, dtype=jnp.float32))
   model = make_model(cfg, seed=0)
   tokens, slots = jnp.asarray([3, 7, 11], jnp.int32), jnp.arange(3, dtype=jnp.int32)
   logits, counts = {}, {}
-  for impl in ("xla", "pallas_triton", "pallas_mosaic"):
+  for impl in ("xla", "pallas_triton", None, "pallas_mosaic"):
     calls.clear()
     with jax.default_matmul_precision("highest"):
-      logits[impl], _ = model.decode(tokens, model.init_cache(3), slots, replay=True,
+      logits[impl], _ = model.decode(tokens, model.init_cache(3, max_len=64), slots, replay=True,
                                      implementation=impl)
     counts[impl] = len(calls)
-  assert counts == {"xla": 0, "pallas_triton": 2, "pallas_mosaic": 0}
-  np.testing.assert_allclose(np.asarray(logits["pallas_triton"]), np.asarray(logits["xla"]),
-                             rtol=1e-4, atol=1e-4)
+  auto = 2 if jax.default_backend() == "gpu" else 0
+  assert counts == {"xla": 0, "pallas_triton": 2, None: auto, "pallas_mosaic": auto}
+  for impl in ("pallas_triton", None, "pallas_mosaic"):
+    np.testing.assert_allclose(np.asarray(logits[impl]), np.asarray(logits["xla"]),
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [2560, 8])   # Qwen3-Next decode: B = 256 and B = 1 (k = 10)

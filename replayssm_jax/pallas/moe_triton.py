@@ -34,17 +34,28 @@ f32 = jnp.float32
 MIN_DOT = 16   # Triton's smallest dot dimension
 
 
+def _inclusive_sums(values):
+  """[n] → [n] running sums Σ_{j ≤ i} values[j], as one masked [n, n] reduction (a prefix scan
+  or ``jnp.cumsum`` is a separate reduce-window kernel per call on the GPU)."""
+  i = jnp.arange(values.shape[0])
+  return jnp.sum(jnp.where(i[:, None] >= i[None, :], values[None, :], 0), axis=1)
+
+
 def tile_schedule(group_sizes, num_rows: int, block_m: int):
   """(group int32[T], first row int32[T], end row int32[T]) of the row tiles, T = the static bound
-  ceil(num_rows / block_m) + min(E, num_rows); tiles past the real count have group E."""
+  ceil(num_rows / block_m) + min(E, num_rows); tiles past the real count have group E.
+
+  Loop-free (masked sums and compares over [E, E] and [T, E]): in decode this runs once per MoE
+  matmul, where ``jnp.searchsorted``'s binary search was a while loop of ~40 tiny kernels per
+  layer (bench/RESULTS.md, "MoE grouped matmul")."""
   e = group_sizes.shape[0]
   sizes = group_sizes.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
+  ends = _inclusive_sums(sizes)
   tiles = (sizes + block_m - 1) // block_m
-  tile_ends = jnp.cumsum(tiles)
+  tile_ends = _inclusive_sums(tiles)
   bound = -(-num_rows // block_m) + min(e, num_rows)
   t = jnp.arange(bound, dtype=jnp.int32)
-  group = jnp.searchsorted(tile_ends, t, side="right").astype(jnp.int32)   # E: no such tile
+  group = jnp.sum(tile_ends[None, :] <= t[:, None], axis=1, dtype=jnp.int32)   # E: no such tile
   g = jnp.minimum(group, e - 1)
   first = ends[g] - sizes[g] + (t - (tile_ends[g] - tiles[g])) * block_m
   return group, first, jnp.minimum(first + block_m, ends[g])
