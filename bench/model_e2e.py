@@ -7,8 +7,12 @@ in its KV cache (the attention layers read them every step; the KV capacity is c
 the recurrent rows start at staggered cursor phases (row b has b mod (L-1) pending entries), so
 every step mixes flushing and non-flushing rows. One program per (mode, B, context): a
 ``lax.fori_loop`` over whole flush cycles of L (``--buffer-len``, by default the library's 16)
-greedy decode steps (``LM.decode``, argmax fed back, cache donated; each cycle rewinds the
-positions to the context, so every cycle attends over the same number of tokens), timed by
+decode steps (``LM.decode``, cache donated; each cycle rewinds the positions to the context, so
+every cycle attends over the same number of tokens). The token fed back is the argmax shifted by a
+hash of (row, step) modulo the vocabulary: the head's output stays live, and the tokens look
+uniformly random in both modes, so MoE routing spreads over the experts as in real traffic and
+alike in both modes (a random model's greedy streams collapse onto a few tokens, differently per
+mode, and the grouped matmul's cost follows the routing). Timed by
 ``bench.common.time_loop`` (warm-up, calibration, median and p20/p80 of ``--reps`` timed calls).
 tokens/s = B / (ms per step).
 
@@ -75,10 +79,12 @@ def _step_loop(graphdef, *, replay, buffer_len, context):
     model = nnx.merge(graphdef, params)
     slots = jnp.arange(carry[0].shape[0], dtype=jnp.int32)
 
-    def step(_, c):
+    def step(t, c):
       tok, cache = c
       logits, cache = model.decode(tok, cache, slots, replay=replay)
-      return jnp.argmax(logits, -1).astype(jnp.int32), cache
+      vocab = logits.shape[-1]
+      shift = (common.mix32((slots * buffer_len + t).astype(jnp.uint32)) % vocab).astype(jnp.int32)
+      return (jnp.argmax(logits, -1).astype(jnp.int32) + shift) % vocab, cache
 
     def cycle(_, c):
       tok, cache = c
