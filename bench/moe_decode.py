@@ -17,7 +17,12 @@ near-tie between two experts' scores flips with the rounding of x).
 
     python -m bench.moe_decode --batches 1,32,256 --out-json bench/results/moe_decode_h200.json
     python -m bench.moe_decode --configs default,bm16bn128bk64,bm32bn64bk128w8s4
+    python -m bench.moe_decode --trace --arms pallas_triton   # + per-kernel µs and launches per step
     python -m bench.moe_decode --smoke          # CPU: tiny layer, kernel interpreted
+
+``--trace``: before timing, ``--trace-steps`` steps of the same loop run under the profiler and each row
+records the GPU kernels per step (bench.model_trace's summing: µs and launches per kernel name; on
+CPU there are no GPU streams, so none are listed).
 
 Kernel configs: ``default`` (``config.grouped_matmul_config``) or tokens ``bm``, ``bn``, ``bk``
 (block_m / block_n / block_k), ``w`` (warps), ``s`` (stages), e.g. ``bm16bn128bk64w4s3``.
@@ -26,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +40,7 @@ from flax import nnx
 from jax import lax
 
 from bench import common
+from bench import model_trace
 from replayssm_jax.models import moe as moe_lib
 from replayssm_jax.pallas import moe_triton
 
@@ -91,7 +98,16 @@ def weight_bytes(cfg: moe_lib.MoEConfig, experts_hit: int) -> int:
   return experts_hit * per_expert + shared + d * cfg.num_experts * 4
 
 
-def measure(cfg, *, batch, arm, knobs, reps, rep_seconds):
+def trace_kernels(call, carry, steps: int) -> list[dict]:
+  """Per-kernel µs and launches per step of ``call(carry, steps)`` (warmed up first)."""
+  carry = jax.block_until_ready(call(carry, 1))
+  with tempfile.TemporaryDirectory() as tdir:
+    with jax.profiler.trace(tdir, create_perfetto_trace=True):
+      jax.block_until_ready(call(carry, steps))
+    return model_trace.kernel_times(model_trace.trace_events(tdir), steps)
+
+
+def measure(cfg, *, batch, arm, knobs, reps, rep_seconds, trace_steps=0):
   layer = moe_lib.MoE(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(layer)
   x = common.hash_normal(1, (batch, cfg.hidden_size)).astype(cfg.dtype)
@@ -105,13 +121,14 @@ def measure(cfg, *, batch, arm, knobs, reps, rep_seconds):
   xla = np.asarray(_forward(graphdef, state, x, "xla", ()).astype(jnp.float32), np.float64)
   errs = {"vs_f32": rel(out, ref), "vs_xla": rel(out, xla)}
   call = lambda carry, n: _run(graphdef, state, carry, np.int32(n), arm=arm, knobs=knobs)
+  kernels = trace_kernels(call, jnp.array(x, copy=True), trace_steps) if trace_steps else None
   _, timing = common.time_loop(call, x, reps=reps, rep_seconds=rep_seconds)
   stats = timing.ms_per(1)
   moved = weight_bytes(cfg, hit)
   return {"median_ms": stats["median_ms"], "p20_ms": stats["p20_ms"], "p80_ms": stats["p80_ms"],
           "n_cycles": stats["n_cycles"], "experts_hit": hit, "weight_bytes": moved,
           "gbps": moved / (stats["median_ms"] * 1e-3) / 1e9, "gate_rel_l2": errs,
-          "gate": "ok" if errs["vs_xla"] < GATE_TOL else "FAILED"}
+          "gate": "ok" if errs["vs_xla"] < GATE_TOL else "FAILED", "kernels": kernels}
 
 
 def main(argv=None) -> dict:
@@ -123,6 +140,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--configs", default="default", help="kernel launch configs (module doc)")
   parser.add_argument("--reps", type=int, default=None)
   parser.add_argument("--rep-seconds", type=float, default=None)
+  parser.add_argument("--trace", action="store_true", help="also list the GPU kernels per step")
+  parser.add_argument("--trace-steps", type=int, default=40)
   parser.add_argument("--out-json", default=None)
   args = parser.parse_args(argv)
   cfg = SMOKE if args.smoke else QWEN3_NEXT
@@ -141,13 +160,19 @@ def main(argv=None) -> dict:
   for batch in batches:
     for arm in arms:
       for cname, knobs in (configs if arm == "pallas_triton" else [("-", ())]):
-        r = measure(cfg, batch=batch, arm=arm, knobs=knobs, reps=reps, rep_seconds=rep_seconds)
+        r = measure(cfg, batch=batch, arm=arm, knobs=knobs, reps=reps, rep_seconds=rep_seconds,
+                    trace_steps=args.trace_steps if args.trace else 0)
         r.update(batch=batch, arm=arm, config=cname)
         if ceiling:
           r["pct_ceiling"] = 100 * r["gbps"] / ceiling["gbps"]
         rows.append(r)
         common.log(f"B={batch} {arm} {cname}: {r['median_ms']:.4f} ms, {r['gbps']:.0f} GB/s, "
                    f"{r['experts_hit']} experts, gate {r['gate']} {r['gate_rel_l2']}")
+        if r["kernels"] is not None:
+          ks = r["kernels"]
+          common.log(f"  {sum(k['us_per_step'] for k in ks):.1f} µs of kernels in "
+                     f"{sum(k['launches_per_step'] for k in ks):.0f} launches per step; "
+                     + ", ".join(f"{k['kernel']} {k['us_per_step']:.1f}" for k in ks[:6]))
         if args.out_json:
           common.write_json(args.out_json, result)
   xla = {r["batch"]: r["median_ms"] for r in rows if r["arm"] == "xla"}

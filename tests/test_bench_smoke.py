@@ -810,7 +810,8 @@ def test_attention_decode_smoke_gates_and_times_every_arm(tmp_path, monkeypatch)
 
 def test_moe_decode_smoke_gates_and_times_both_arms(tmp_path, monkeypatch):
   """``python -m bench.moe_decode --smoke``: a row per arm and kernel config with a passing gate
-  and a time; a kernel whose outputs are off fails its gate."""
+  and a time (and a traced kernel list with ``--trace``); a kernel whose outputs are off fails
+  its gate."""
   from bench import moe_decode
   from replayssm_jax.pallas import moe_triton
   out = tmp_path / "moe.json"
@@ -821,6 +822,11 @@ def test_moe_decode_smoke_gates_and_times_both_arms(tmp_path, monkeypatch):
   assert [(r["arm"], r["config"]) for r in rows] == [("xla", "-"), ("pallas_triton", "default"),
                                                      ("pallas_triton", "bm32bn16")]
   assert all(r["gate"] == "ok" and r["median_ms"] > 0 and r["experts_hit"] >= 2 for r in rows)
+  assert all(r["kernels"] is None for r in rows)      # no --trace
+  moe_decode.main([*argv[:-2], "--arms", "pallas_triton", "--configs", "default", "--trace",
+                   "--trace-steps", "2", "--out-json", str(out)])
+  row, = json.loads(out.read_text())["rows"]
+  assert row["kernels"] == []                           # traced; CPU has no GPU streams
   assert moe_decode.parse_config("bm16bn128w8") == (("block_m", 16), ("block_n", 128), ("num_warps", 8))
   with pytest.raises(ValueError, match="kernel config 'bq16'"):
     moe_decode.parse_config("bq16")
