@@ -156,12 +156,13 @@ def test_overlapped_steps_emit_the_same_tokens(model, solo, tmp_path, monkeypatc
   assert resumed.run() == expected
 
 
-def test_overlap_is_the_default_except_with_prefix_caching():
-  assert OVERLAP.overlapped and not CFG.overlapped
-  assert EngineConfig(**BASE, num_drafts=2).overlapped and not PREFIX.overlapped
+def test_overlap_is_the_default_except_for_drafting_with_prefix_caching():
+  assert OVERLAP.overlapped and not CFG.overlapped and PREFIX.overlapped
+  assert EngineConfig(**BASE, num_drafts=2).overlapped
+  assert not EngineConfig(**BASE, prefix_block=8, num_drafts=2).overlapped
   assert not EngineConfig(**BASE, overlap=False, num_drafts=2).overlapped
-  with pytest.raises(NotImplementedError, match="overlap=True with prefix_block=8"):
-    EngineConfig(**BASE, overlap=True, prefix_block=8)
+  with pytest.raises(NotImplementedError, match="overlap=True with prefix_block=8 and num_drafts=2"):
+    EngineConfig(**BASE, overlap=True, prefix_block=8, num_drafts=2)
   with pytest.raises(ValueError, match="overlap=1; expected None or a bool"):
     EngineConfig(**BASE, overlap=1)
 
@@ -203,10 +204,14 @@ def test_preempt_resume_is_bit_exact(model, tmp_path):
   assert_same_cache(full, resumed)
 
 
-def test_prefix_reuse_matches_cold_run(model):
+PREFIX_SYNC = dataclasses.replace(PREFIX, overlap=False)
+
+
+@pytest.mark.parametrize("config", [PREFIX_SYNC, PREFIX], ids=["synchronous", "overlapped"])
+def test_prefix_reuse_matches_cold_run(model, config):
   shared = RNG.randint(1, 256, 16).tolist()
   a = shared + [7, 9, 11]                              # 19 tokens: snapshots at 8 and 16
-  engine = Engine(model, PREFIX)
+  engine = Engine(model, config)
   ra = engine.submit(a, max_new_tokens=12)
   while not engine.idle:                                # decode crosses 24: forced flush + snapshot
     engine.step()
@@ -228,6 +233,48 @@ def test_prefix_reuse_matches_cold_run(model):
   cold_out = cold.run()
   assert out[rb] == cold_out[cb] and out[rc] == cold_out[cc]
   assert out[rc] == gen_a[6:12]                         # c continues a's own stream
+
+
+def test_overlapped_prefix_caching_equals_synchronous(model, solo, tmp_path):
+  # Given prefix caching in blocks of 4 (3 snapshot slots: evictions), requests that cross
+  # decode boundaries (r0: 11 + 14 tokens crosses 12, 16, ..., 28), share a prompt prefix (r2
+  # hits r0's 8-token prompt snapshot), join late on a decode snapshot (r3: r0's prompt and first
+  # two tokens hit its 12-token decode snapshot), stop early (r4 at its 4th token), and a preempt
+  # with an overlapped step in flight,
+  block = dataclasses.replace(PREFIX, prefix_block=4)
+  shared = RNG.randint(1, 256, 9).tolist()
+  prompts = [shared + [1, 2], PROMPTS[0], shared + [4]]
+
+  def run(config, preempt_dir=None):
+    engine = Engine(model, config)
+    for i, (p, n) in enumerate(zip(prompts, [14, 12, 3])):   # r2 frees its slot for r3
+      engine.submit(p, max_new_tokens=n, request_id=f"r{i}")
+    for _ in range(3):
+      engine.step()
+    engine.submit(prompts[0] + engine.outputs()["r0"][:2], max_new_tokens=9, request_id="r3")
+    engine.submit(PROMPTS[2], max_new_tokens=8, stop_tokens=(solo[2][3],), request_id="r4")
+    if preempt_dir is not None:
+      engine.step()
+      assert engine._inflight is not None
+      engine.preempt(preempt_dir)
+      engine = Engine.resume(preempt_dir)
+    return engine.run(), engine
+
+  expected, sync = run(dataclasses.replace(block, overlap=False))
+  assert expected["r4"] == solo[2][:4] and sync.prefix_hits == 2
+  assert (sync.stats("r2").prefix_hit_tokens, sync.stats("r3").prefix_hit_tokens) == (8, 12)
+  # overlapped steps give the same tokens, snapshots (prefix → slot) and snapshot slots (every
+  # pool array past the request slots; a request slot differs where r4 ran a step past its stop),
+  got, over = run(block)
+  assert over.config.overlapped and got == expected
+  assert over._snapshots == sync._snapshots and over.prefix_hits == sync.prefix_hits
+  n, first = block.num_slots, block.max_running
+  for x, y in zip(jax.tree.leaves(sync.cache), jax.tree.leaves(over.cache)):
+    if x.ndim and x.shape[0] == n:
+      np.testing.assert_array_equal(np.asarray(x)[first:], np.asarray(y)[first:])
+  # also across a preempt with a step in flight.
+  got, resumed = run(block, tmp_path / "ckpt")
+  assert got == expected and resumed._snapshots == sync._snapshots
 
 
 def test_prefix_cache_that_never_hits_warns(model):

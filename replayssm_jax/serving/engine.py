@@ -32,9 +32,10 @@ and the rollback picks the state at the accepted index, the baseline for ReplayS
 Prefix caching (``prefix_block > 0``): a prompt is prefilled in blocks of ``prefix_block`` tokens
 (``LM.prefill(..., resume=True)`` continues a slot's sequence) and after each full block the slot is
 snapshotted into a prefix slot (``copy_slots`` of every layer plus its conv state), keyed by the
-token prefix. During decode, a row whose sequence reaches a block boundary gets a *forced flush*
-(``cursor.plan(force_flush=...)`` through ``LM.decode`` / ``LM.verify``) so its checkpoint is
-exactly the state there with an empty ring window, then it is snapshotted too. A snapshot is only
+token prefix. During decode, a row whose sequence reaches a block boundary below max_prompt_len
+gets a *forced flush* (``cursor.plan(force_flush=...)`` through ``LM.decode`` / ``LM.verify``;
+cached or not, so a request's flushes depend on it alone) so its checkpoint is exactly the state
+there with an empty ring window, then it is snapshotted too unless that prefix is cached. A snapshot is only
 taken between steps, when the slot's state covers exactly a block boundary, so speculative rows
 never jump over one: their drafts are cut to end on the next boundary below max_prompt_len
 (cached or not, so a request's draft counts depend on the request alone). A row whose last
@@ -51,7 +52,8 @@ plus the host scheduler state (requests, slots, snapshots, clocks) as JSON and c
 see the same arrays (the drafters are rebuilt from each request's tokens: they are a function of
 them).
 
-Overlapped steps (the default, except with prefix caching; ``overlap=False`` turns them off): a
+Overlapped steps (the default, except for drafting with prefix caching; ``overlap=False`` turns
+them off): a
 step is dispatched before the host reads the tokens of the one before, from those tokens on the
 device, so the host's work (reading tokens, stop and length checks, bookkeeping) runs while the
 device computes the next step. While requests wait for a slot, the
@@ -63,7 +65,10 @@ must fit ``max_seq_len``), drafts with ``models.generate.ngram_drafts`` (what th
 proposes), applies the same draft cuts, and makes a row that reached its budget a padding row
 (no stop-token list on the device: its shape would vary with the requests). Tokens and drafts
 are those of synchronous steps; ``step()`` reports a request finished one call later.
-``preempt`` collects the step in flight first.
+With prefix caching a row's decode-boundary snapshot is taken at the start of the next
+``step()``, before anything else touches its slot (the flush is planned by position alone, and
+by then the host holds every token its state covers). ``preempt`` collects the step in flight
+first.
 
 Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
 request, so tokens never depend on the batch a request shares (speculative draws derive from the
@@ -130,7 +135,7 @@ class EngineConfig:
       reads them, so the host's bookkeeping of step t runs while step t + 1 computes (see the
       module docstring); with drafting the drafts are made on the device too, and every
       request must fit ``max_seq_len`` (its device token history). None (the default): on
-      unless prefix caching (``overlapped`` says which); True with prefix caching raises
+      unless drafting with prefix caching (``overlapped`` says which), where True raises
       NotImplementedError. Measured on the H200 (bench/RESULTS.md "serving.Engine end to
       end"): Qwen3.5-4B preset, B = 32 3510 → 7575 tokens/s, B = 256 15841 → 23337; drafting
       k = 3 (looping weights) B = 32 6477 → 12702, B = 256 17365 → 21164.
@@ -184,16 +189,19 @@ class EngineConfig:
       raise ValueError(f"replay={self.replay!r}; expected a bool")
     if self.overlap is not None and not isinstance(self.overlap, bool):
       raise ValueError(f"overlap={self.overlap!r}; expected None or a bool")
-    if self.overlap and self.prefix_block:
+    if self.overlap and self.prefix_block and self.num_drafts:
       raise NotImplementedError(
-          f"overlap=True with prefix_block={self.prefix_block}: a prefix snapshot needs its step's "
-          f"tokens on the host first; use overlap=False")
+          f"overlap=True with prefix_block={self.prefix_block} and num_drafts={self.num_drafts}: "
+          f"whether a drafted run ends on a block boundary (and is snapshotted there) depends on "
+          f"the drafts the device accepts, which the host learns after the next step is "
+          f"dispatched; use overlap=False, or num_drafts=0")
 
   @property
   def overlapped(self) -> bool:
-    """Whether steps overlap (``overlap`` resolved: None means on unless prefix caching)."""
+    """Whether steps overlap (``overlap`` resolved: None means on unless drafting with prefix
+    caching)."""
     if self.overlap is None:
-      return not self.prefix_block
+      return not (self.prefix_block and self.num_drafts)
     return self.overlap
 
   @property
@@ -221,10 +229,12 @@ class RequestStats:
 @dataclasses.dataclass
 class _InFlight:
   """A dispatched decode step whose tokens the host has not read: row i is ``reqs[i]`` where
-  ``live[i]`` (else a padding row), ``tokens`` int32[width] on the device."""
+  ``live[i]`` (else a padding row), ``tokens`` int32[width] on the device; ``covered[i]``: the
+  sequence tokens row i's state covers after the step (prefix snapshots)."""
   reqs: list
   live: list
   tokens: jax.Array
+  covered: list
 
 
 @dataclasses.dataclass
@@ -607,14 +617,32 @@ class Engine:
                                       jnp.array([dst], jnp.int32))
     self._snapshots[key] = dst
 
+  def _at_boundary(self, n: int) -> bool:
+    """Whether a state covering n tokens sits on a prefix-cache block boundary below
+    max_prompt_len. Decode flushes such rows (so a snapshot there has an empty ring window) by
+    position alone, cached or not: a request's flushes depend on it alone, and an overlapped
+    step knows them before the host has its input token."""
+    block = self.config.prefix_block
+    return bool(block) and n % block == 0 and n < self.max_prompt_len
+
   def _snapshot_due(self, r: _Request, n: int, run=()) -> bool:
     """A slot whose state covers the first n tokens of ``r.prompt + r.generated + run`` is
     snapshotted there: a block boundary below max_prompt_len, not cached yet. (The tokens are
     only gathered at a boundary: O(1) per row and step elsewhere.)"""
-    block = self.config.prefix_block
-    if not block or n % block or n >= self.max_prompt_len:
-      return False
-    return tuple((r.prompt + r.generated + list(run))[:n]) not in self._snapshots
+    return (self._at_boundary(n)
+            and tuple((r.prompt + r.generated + list(run))[:n]) not in self._snapshots)
+
+  def _snapshot_step(self, step: "_InFlight | _InFlightVerify | None") -> None:
+    """Snapshots the rows of a dispatched decode step whose state then sits on a block boundary
+    (prefix caching with overlapped steps). Called before anything else is dispatched on their
+    slots; by then the host holds every token the states cover (the step's input token is the
+    output of the step before, collected already)."""
+    if not self.config.prefix_block or not isinstance(step, _InFlight):
+      return
+    for r, ok, n in zip(step.reqs, step.live, step.covered):
+      if ok and not r.done and self._snapshot_due(r, n):
+        assert len(r.prompt) + len(r.generated) >= n, (r.rid, n)
+        self._snapshot(r.slot, (r.prompt + r.generated)[:n])
 
   def _draft_count(self, r: _Request, n: int) -> int:
     """Drafts row r verifies this step (its state covers its first n - 1 tokens; token 0 is the
@@ -646,8 +674,8 @@ class Engine:
     reqs = [self._requests[rid] for rid in self._running]
     width = next(b for b in cfg.batch_buckets if b >= len(reqs))
     lens = [len(r.prompt) + len(r.generated) for r in reqs]
-    # A row whose last token reaches a block boundary flushes, so the snapshot's window is empty.
-    force = [self._snapshot_due(r, n) for r, n in zip(reqs, lens)]
+    # A row whose last token reaches a block boundary flushes, so a snapshot's window is empty.
+    force = [self._at_boundary(n) for n in lens]
     drafts = [self._drafts(r, n) for r, n in zip(reqs, lens)]
     if any(drafts) or self._cache.stacks is not None:
       rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
@@ -668,7 +696,7 @@ class Engine:
       runs = [run[i, :emitted[i]].tolist() for i in range(len(reqs))]
     else:
       step = self._dispatch(reqs, [True] * len(reqs), [r.generated[-1] for r in reqs],
-                            [len(r.generated) for r in reqs], force=force)
+                            [len(r.generated) for r in reqs])
       runs = [[tok] for tok in np.asarray(step.tokens)[:len(reqs)].tolist()]
     for r, n, run in zip(reqs, lens, runs):
       covered = n - 1 + len(run)          # the state covers token 0 and the accepted drafts
@@ -696,6 +724,7 @@ class Engine:
     tokens."""
     prev, self._inflight, finished = self._inflight, None, []
     drafting = bool(self.config.num_drafts)
+    self._snapshot_step(prev)
     if prev is not None and not self._waiting:
       # Rows that may still run after prev (which emits at least one token per row).
       live = [ok and not r.done and len(r.generated) + 1 < r.max_new_tokens
@@ -747,11 +776,14 @@ class Engine:
     return _InFlightVerify(reqs=reqs, live=live, run=run, emitted=emitted, drafted=drafted,
                            carry=carry)
 
-  def _dispatch(self, reqs, live, tokens, positions, force=()) -> _InFlight:
-    """One decode step of ``reqs`` (rows with ``live`` False are padding rows; ``force``: rows
-    that flush) from ``tokens`` (a host list, or the device tokens of the step before), not
-    waited for."""
+  def _dispatch(self, reqs, live, tokens, positions) -> _InFlight:
+    """One decode step of ``reqs`` (rows with ``live`` False are padding rows) from ``tokens`` (a
+    host list, or the device tokens of the step before) at ``positions`` (tokens generated
+    before the step's output), not waited for. Rows whose state then covers a prefix-cache
+    block boundary flush (``_at_boundary``)."""
     cfg = self.config
+    covered = [len(r.prompt) + p for r, p in zip(reqs, positions)]
+    force = [ok and self._at_boundary(n) for ok, n in zip(live, covered)]
     width = next(b for b in cfg.batch_buckets if b >= len(reqs))
     rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
     if not isinstance(tokens, jax.Array):
@@ -763,7 +795,7 @@ class Engine:
         self._leaves, self._cache, tokens, slots, rows(force, False, bool),
         rows([r.temperature for r in reqs], 0.0, np.float32), rows([r.seed for r in reqs], 0, np.int32),
         rows(positions, 0, np.int32), replay=cfg.replay, implementation=cfg.implementation)
-    return _InFlight(reqs=reqs, live=live, tokens=nxt)
+    return _InFlight(reqs=reqs, live=live, tokens=nxt, covered=covered)
 
   def _collect(self, step: "_InFlight | _InFlightVerify") -> list:
     """Reads a dispatched step's tokens and appends them to its live, unfinished rows (a
@@ -813,6 +845,7 @@ class Engine:
     import orbax.checkpoint as ocp
     self._check_open()
     if self._inflight is not None:   # the state on disk covers every dispatched step
+      self._snapshot_step(self._inflight)
       self._collect(self._inflight)
       self._inflight = None
     path = pathlib.Path(directory).absolute()
