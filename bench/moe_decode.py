@@ -24,6 +24,10 @@ near-tie between two experts' scores flips with the rounding of x).
 records the GPU kernels per step (bench.model_trace's summing: µs and launches per kernel name; on
 CPU there are no GPU streams, so none are listed).
 
+A row whose run fails on the device (JAX runtime error: at prefill sizes XLA's ``ragged_dot``
+autotuner runs out of memory, and the gate needs its output) is recorded with its error and the
+run goes on.
+
 Kernel configs: ``default`` (``config.grouped_matmul_config``) or tokens ``bm``, ``bn``, ``bk``
 (block_m / block_n / block_k), ``w`` (warps), ``s`` (stages), e.g. ``bm16bn128bk64w4s3``.
 """
@@ -160,8 +164,14 @@ def main(argv=None) -> dict:
   for batch in batches:
     for arm in arms:
       for cname, knobs in (configs if arm == "pallas_triton" else [("-", ())]):
-        r = measure(cfg, batch=batch, arm=arm, knobs=knobs, reps=reps, rep_seconds=rep_seconds,
-                    trace_steps=args.trace_steps if args.trace else 0)
+        try:
+          r = measure(cfg, batch=batch, arm=arm, knobs=knobs, reps=reps, rep_seconds=rep_seconds,
+                      trace_steps=args.trace_steps if args.trace else 0)
+        except jax.errors.JaxRuntimeError as e:   # e.g. XLA's ragged_dot autotuner out of memory
+          error = str(e).strip().splitlines()[0][:300]
+          rows.append({"batch": batch, "arm": arm, "config": cname, "error": error})
+          common.log(f"B={batch} {arm} {cname}: failed: {error}")
+          continue
         r.update(batch=batch, arm=arm, config=cname)
         if ceiling:
           r["pct_ceiling"] = 100 * r["gbps"] / ceiling["gbps"]
@@ -175,15 +185,19 @@ def main(argv=None) -> dict:
                      + ", ".join(f"{k['kernel']} {k['us_per_step']:.1f}" for k in ks[:6]))
         if args.out_json:
           common.write_json(args.out_json, result)
-  xla = {r["batch"]: r["median_ms"] for r in rows if r["arm"] == "xla"}
+  timed = [r for r in rows if "error" not in r]
+  xla = {r["batch"]: r["median_ms"] for r in timed if r["arm"] == "xla"}
   print(common.render_table(
       ["B", "arm", "config", "ms/step", "p20-p80", "experts hit", "GB/s", "% copy", "x xla", "gate"],
       [[str(r["batch"]), r["arm"], r["config"], f"{r['median_ms']:.4f}",
         f"{r['p20_ms']:.4f}-{r['p80_ms']:.4f}", str(r["experts_hit"]), f"{r['gbps']:.0f}",
         common.fmt_float(r.get("pct_ceiling"), ".0f"),
         common.fmt_float(xla[r["batch"]] / r["median_ms"] if r["batch"] in xla else None, ".2f"),
-        r["gate"]] for r in rows],
+        r["gate"]] for r in timed],
       align_right={0, 3, 5, 6, 7, 8}))
+  for r in rows:
+    if "error" in r:
+      print(f"B={r['batch']} {r['arm']} {r['config']}: failed: {r['error']}")
   return result
 
 

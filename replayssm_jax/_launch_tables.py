@@ -271,8 +271,13 @@ H200 = DeviceTables(
     # B = 256 [16, 64, 64]/4 1.094, [16, 128, 64]/4 1.037, [16, 64, 128]/4 1.135, [16, 128, 128]/8
     # 1.104; B = 32 0.626 / 0.657 / 0.611 / 0.635; B = 1 0.268 / 0.315 / 0.283 / 0.248 (XLA's
     # ragged_dot 12.91 / 1.79 / 0.82). No tile leads at every batch by more than 5 %: the first.
-    grouped_matmul=Table({ANY: always(_grouped(16, 64, 64, 4, 3))},
-                         source=("moe_decode_2026-12-03_configs.json",)),
+    # Prefill, B = 1024 tokens (10240 rows): [16, 64, 64]/4 1.367, [32, 128, 64]/4 1.123,
+    # [64, 64, 64]/4 1.271, [64, 128, 64]/8 1.145, [128, 128, 64]/8 1.242 (ragged_dot 55.0);
+    # rows between 2560 and 10240 and past 10240 unmeasured.
+    grouped_matmul=Table({ANY: (({"rows": (10240, None)}, _grouped(32, 128, 64, 4, 3)),
+                                ({}, _grouped(16, 64, 64, 4, 3)))},
+                         source=("moe_decode_2026-12-03_configs.json",
+                                 "moe_decode_2026-12-04_prefill_rows.json")),
 )
 
 # Any other GPU: the H200's tiles (the only GPU measured), and no Mosaic preference for verify

@@ -831,6 +831,21 @@ def test_moe_decode_smoke_gates_and_times_both_arms(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="kernel config 'bq16'"):
     moe_decode.parse_config("bq16")
 
+  # a row that fails on the device is recorded with its error and the run goes on
+  real_measure = moe_decode.measure
+
+  def failing(cfg, *, arm, **kw):
+    if arm == "xla":
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+    return real_measure(cfg, arm=arm, **kw)
+  monkeypatch.setattr(moe_decode, "measure", failing)
+  moe_decode.main(argv)
+  rows = json.loads(out.read_text())["rows"]
+  assert rows[0] == {"batch": 4, "arm": "xla", "config": "-",
+                     "error": "RESOURCE_EXHAUSTED: Out of memory"}
+  assert [r["gate"] for r in rows[1:]] == ["ok", "ok"]
+  monkeypatch.undo()
+
   real = moe_triton.grouped_matmul
   monkeypatch.setattr(moe_triton, "grouped_matmul", lambda *a, **kw: 2 * real(*a, **kw))
   moe_decode.main(["--smoke", "--reps", "2", "--rep-seconds", "0.001", "--arms", "pallas_triton",

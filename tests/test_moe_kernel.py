@@ -148,7 +148,7 @@ def test_model_level_implementation_reaches_the_moe_layers(monkeypatch):
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [2560, 8])   # Qwen3-Next decode: B = 256 and B = 1 (k = 10)
+@pytest.mark.parametrize("rows", [10240, 2560, 8])   # Qwen3-Next (k = 10): 1024-token prefill, B = 256, 1
 def test_lowers_for_h200_at_qwen3_next_shapes(rows):
   x = jnp.zeros((rows, 2048), jnp.bfloat16)
   w = jnp.zeros((512, 2048, 1024), jnp.bfloat16)
