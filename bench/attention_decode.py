@@ -32,7 +32,6 @@ Kernel configs (``--configs``): ``default`` (``config.attention_decode_config``)
 import argparse
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +51,7 @@ _KNOBS = {"bk": "block_kv", "w": "num_warps", "s": "num_stages", "p": "num_split
 
 def parse_config(text: str) -> tuple:
   """``default`` → (); ``bk64w8p2`` → (("block_kv", 64), ("num_splits", 2), ("num_warps", 8))."""
-  if text.strip() in ("", "default"):
-    return ()
-  tokens = re.findall(r"(bk|w|s|p)(\d+)", text)
-  if not tokens or "".join(a + b for a, b in tokens) != text.strip():
-    raise ValueError(f"kernel config {text!r}; expected 'default' or tokens bk<int> w<int> s<int> "
-                     f"p<int>, e.g. 'bk64w8p2'")
-  return tuple(sorted((_KNOBS[k], int(v)) for k, v in tokens))
+  return common.parse_knobs(text, _KNOBS, example="bk64w8p2")
 
 
 def kv_bytes(batch, context, t, hkv, dh, itemsize=2) -> int:

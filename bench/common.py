@@ -284,7 +284,6 @@ def l2_normalize(x, axis=-1):
 _CFG_KEYS = {"fbv": "fold_block_v", "fbk": "fold_block_k", "fw": "fold_num_warps", "fr": "fold_rows",
              "ft": "fold_tiles", "bv": "block_v", "bk": "block_k", "w": "num_warps", "s": "num_stages",
              "r": "rows"}
-_CFG_TOKEN = re.compile(r"(fbv|fbk|fw|fr|ft|bv|bk|w|s|r)(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,24 +300,33 @@ class LaunchConfig:
     return {k: v for k, v in self.overrides if allowed is None or k in allowed}
 
 
+def parse_knobs(text: str, keys: dict, *, example: str) -> tuple:
+  """``default`` (or empty) → (); else a run of tokens ``<key><int>`` with ``keys`` {token:
+  kwarg}, e.g. ``bv32w2`` → (("block_v", 32), ("num_warps", 2)): sorted (kwarg, value) pairs.
+  ValueError names the text, the tokens and ``example``."""
+  text = text.strip()
+  if text in ("", "default"):
+    return ()
+  token = re.compile("(" + "|".join(sorted(keys, key=len, reverse=True)) + r")(\d+)")
+  pos, found = 0, {}
+  for m in token.finditer(text):
+    if m.start() != pos:
+      break
+    found[keys[m.group(1)]] = int(m.group(2))
+    pos = m.end()
+  if pos != len(text) or not found:
+    raise ValueError(f"launch config {text!r}; expected 'default' or tokens "
+                     f"{' '.join(k + '<int>' for k in keys)}, e.g. {example!r}")
+  return tuple(sorted(found.items()))
+
+
 def parse_config(text: str) -> LaunchConfig:
   """``default`` or tokens like ``bv32w2s3`` (block_v, num_warps, num_stages), ``bk64`` (block_k of
   the replay step), ``fbv64fw4ft2`` (fold_block_v, fold_num_warps, fold_tiles of the replay
   fold pass; ``fbk``, ``fr`` its block_k and row slots), e.g. ``bv64w4fbv32fw2``, and ``r4``
   (batch rows per program of the Mosaic kernels)."""
-  text = text.strip()
-  if text in ("", "default"):
-    return LaunchConfig("default")
-  pos, found = 0, {}
-  for m in _CFG_TOKEN.finditer(text):
-    if m.start() != pos:
-      break
-    found[_CFG_KEYS[m.group(1)]] = int(m.group(2))
-    pos = m.end()
-  if pos != len(text) or not found:
-    raise ValueError(f"launch config {text!r}; expected 'default' or tokens bv<int> bk<int> w<int> "
-                     f"s<int> fbv<int> fbk<int> fw<int> fr<int> ft<int> r<int>, e.g. 'bv32w2' or 'bv64w4s2'")
-  return LaunchConfig(text, tuple(sorted(found.items())))
+  overrides = parse_knobs(text, _CFG_KEYS, example="bv64w4s2")
+  return LaunchConfig(text.strip() if overrides else "default", overrides)
 
 
 # ----------------------------------------------------------------------------------------------

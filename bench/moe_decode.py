@@ -34,7 +34,6 @@ Kernel configs: ``default`` (``config.grouped_matmul_config``) or tokens ``bm``,
 import argparse
 import dataclasses
 import functools
-import re
 import tempfile
 
 import jax
@@ -60,13 +59,7 @@ _KNOBS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "w": "num_warps", "
 
 def parse_config(text: str) -> tuple:
   """``default`` → (); ``bm16bn128`` → (("block_m", 16), ("block_n", 128))."""
-  if text.strip() in ("", "default"):
-    return ()
-  tokens = re.findall(r"(bm|bn|bk|w|s)(\d+)", text)
-  if not tokens or "".join(a + b for a, b in tokens) != text.strip():
-    raise ValueError(f"kernel config {text!r}; expected 'default' or tokens bm<int> bn<int> "
-                     f"bk<int> w<int> s<int>, e.g. 'bm16bn128bk64w4s3'")
-  return tuple(sorted((_KNOBS[k], int(v)) for k, v in tokens))
+  return common.parse_knobs(text, _KNOBS, example="bm16bn128bk64w4s3")
 
 
 def _forward(graphdef, state, x, arm, knobs):

@@ -828,7 +828,7 @@ def test_moe_decode_smoke_gates_and_times_both_arms(tmp_path, monkeypatch):
   row, = json.loads(out.read_text())["rows"]
   assert row["kernels"] == []                           # traced; CPU has no GPU streams
   assert moe_decode.parse_config("bm16bn128w8") == (("block_m", 16), ("block_n", 128), ("num_warps", 8))
-  with pytest.raises(ValueError, match="kernel config 'bq16'"):
+  with pytest.raises(ValueError, match="launch config 'bq16'"):
     moe_decode.parse_config("bq16")
 
   # a row that fails on the device is recorded with its error and the run goes on
