@@ -23,8 +23,11 @@ rest (the engine's host work: scheduling, drafts, inputs, bookkeeping), as ms pe
 first runs the same requests once (compiling the prefill, decode and verify programs), then the
 timed run, ``--reps`` times; the median run is reported.
 
-Prompt sets (``--prompts``): ``random`` (uniform token ids) and ``repetitive`` (a random phrase
-of ``--phrase`` tokens repeated). Weights are random (bf16, float32 state, ``--ring-dtype`` bf16) unless
+Prompt sets (``--prompts``): ``random`` (uniform token ids), ``repetitive`` (a random phrase
+of ``--phrase`` tokens repeated) and ``shared`` (one random prefix of ``--shared-len`` tokens, a
+system prompt, then uniform ids). ``--prefix-block N`` turns on prefix caching
+(``EngineConfig.prefix_block``, ``--prefix-slots`` snapshot slots); each row records the prompt
+tokens the snapshots served (``prefix_hit_tokens``). Weights are random (bf16, float32 state, ``--ring-dtype`` bf16) unless
 ``--model looping``: the head is biased so that each token favours its successor in a block of
 four ids and the mixers weigh ``--looping-scale`` against the embedding (``looping_model``): greedy streams fall into short cycles the drafter predicts, a
 controlled high-acceptance case. Acceptance is a property of model and prompts: a random model
@@ -37,6 +40,7 @@ so a near-tie can flip an argmax; the smoke run, float32 throughout on CPU, must
 
     python -m bench.engine_spec --preset qwen3.5-4b --batches 32,256 --drafts 3 --new-tokens 128
     python -m bench.engine_spec --preset qwen3.5-4b --model looping --batches 256
+    python -m bench.engine_spec --prompts shared --prefix-block 64 --arms decode-replay,decode-replay-overlap
     python -m bench.engine_spec --smoke        # CPU: the tiny Qwen3.5 checkpoint's shape, B = 2
 """
 import argparse
@@ -82,8 +86,9 @@ def looping_model(model, *, strength=20.0, mixer_scale=0.2, period=4):
   return model
 
 
-def prompt_sets(names, *, batch, length, phrase, vocab, seed=0) -> dict:
-  """{name: list of ``batch`` prompts of ``length`` token ids in [1, vocab)}."""
+def prompt_sets(names, *, batch, length, phrase, vocab, shared_len=None, seed=0) -> dict:
+  """{name: list of ``batch`` prompts of ``length`` token ids in [1, vocab)}; ``shared``: the
+  first ``shared_len`` (default length // 2) tokens are the same in every prompt."""
   rng = np.random.RandomState(seed)
   out = {}
   for name in names:
@@ -92,8 +97,14 @@ def prompt_sets(names, *, batch, length, phrase, vocab, seed=0) -> dict:
     elif name == "repetitive":
       phrases = rng.randint(1, vocab, (batch, phrase))
       out[name] = np.tile(phrases, (1, -(-length // phrase)))[:, :length].tolist()
+    elif name == "shared":
+      head = length // 2 if shared_len is None else shared_len
+      if not 0 <= head <= length:
+        raise ValueError(f"--shared-len {head}; expected 0 to --prompt-len = {length}")
+      tails = rng.randint(1, vocab, (batch, length - head))
+      out[name] = np.concatenate([np.tile(rng.randint(1, vocab, head), (batch, 1)), tails], 1).tolist()
     else:
-      raise ValueError(f"--prompts entry {name!r}; expected 'random' or 'repetitive'")
+      raise ValueError(f"--prompts entry {name!r}; expected 'random', 'repetitive' or 'shared'")
   return out
 
 
@@ -118,7 +129,7 @@ class _StepClock:
 
 def _serve(model, config, prompts, new_tokens):
   """One run: returns (tokens per request, decode-phase seconds, steps, drafted, accepted,
-  {dispatch, device wait, host: seconds of the decode phase})."""
+  {dispatch, device wait, host: seconds of the decode phase}, prefix-hit prompt tokens)."""
   engine = Engine(model, config)
   ids = [engine.submit(p, max_new_tokens=new_tokens) for p in prompts]
   engine.step()                      # admits (prefills) every request, then one step
@@ -137,22 +148,24 @@ def _serve(model, config, prompts, new_tokens):
   tokens = [out[i] for i in ids]
   return (tokens, seconds, steps, sum(len(t) for t in tokens) - first,
           sum(s.drafted_tokens for s in stats), sum(s.accepted_drafts for s in stats),
-          {"dispatch": dispatch, "device_wait": wait, "host": seconds - dispatch - wait})
+          {"dispatch": dispatch, "device_wait": wait, "host": seconds - dispatch - wait},
+          sum(s.prefix_hit_tokens for s in stats))
 
 
 def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps,
-            prefill_tokens):
+            prefill_tokens, prefix_block=0, prefix_slots=0):
   drafting, replay, overlap = ARMS[arm]
   k = drafts if drafting else 0
   config = EngineConfig(max_running=batch, batch_buckets=(batch,), replay=replay, num_drafts=k,
-                        overlap=overlap,
+                        overlap=overlap, prefix_block=prefix_block, prefix_slots=prefix_slots,
                         prefill_tokens=prefill_tokens,
                         buffer_len=buffer_len, max_prompt_len=len(prompts[0]),
                         max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype)
   _serve(model, config, prompts, new_tokens)       # compiles prefill, decode and verify
   runs = sorted((_serve(model, config, prompts, new_tokens) for _ in range(reps)), key=lambda r: r[1])
-  tokens, seconds, steps, generated, drafted, accepted, split = runs[len(runs) // 2]
+  tokens, seconds, steps, generated, drafted, accepted, split, hits = runs[len(runs) // 2]
   return {"arm": arm, "replay": replay, "num_drafts": k, "buffer_len": config.buffer_len,
+          "overlapped": config.overlapped, "prefix_block": prefix_block, "prefix_hit_tokens": hits,
           "seconds": seconds, "all_seconds": [r[1] for r in runs], "steps": steps,
           "generated": generated, "tokens_per_s": generated / seconds,
           "tokens_per_step": generated / max(steps, 1) / batch,
@@ -162,9 +175,10 @@ def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_
 
 
 def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_tokens, prompt_len,
-        phrase, reps, buffer_len, ring_dtype, arms=DEFAULT_ARMS, prefill_tokens=8192, on_arm=None):
+        phrase, reps, buffer_len, ring_dtype, arms=DEFAULT_ARMS, prefill_tokens=8192, shared_len=None,
+        prefix_block=0, prefix_slots=None, on_arm=None):
   """Every arm of ``arms`` (keys of ARMS; the first is the token baseline) on every batch and
-  prompt set; ``on_arm(result so far)`` after each arm."""
+  prompt set; ``on_arm(result so far)`` after each arm. ``prefix_slots`` None: one per request."""
   config = model_config(name)
   model = make_model(config, seed=0)
   if model_kind == "looping":
@@ -174,13 +188,15 @@ def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_t
   result = {"preset": name, "model": model_kind, "config": config.to_dict(), "rows": rows}
   for batch in batches:
     sets = prompt_sets(prompt_names, batch=batch, length=prompt_len, phrase=phrase,
-                       vocab=config.vocab_size)
+                       vocab=config.vocab_size, shared_len=shared_len)
+    slots = (batch if prefix_slots is None else prefix_slots) if prefix_block else 0
     for prompt_name, prompts in sets.items():
       group, reference = [], None
       for arm in arms:
         row, tokens = run_arm(model, arm, prompts, batch=batch, drafts=drafts, new_tokens=new_tokens,
                               buffer_len=buffer_len, ring_dtype=ring_dtype, reps=reps,
-                              prefill_tokens=prefill_tokens)
+                              prefill_tokens=prefill_tokens, prefix_block=prefix_block,
+                              prefix_slots=slots)
         reference = tokens if reference is None else reference
         row.update(preset=name, model=model_kind, prompts=prompt_name, batch=batch,
                    identical_to_baseline=float(np.mean([a == b for a, b in zip(tokens, reference)])))
@@ -250,6 +266,11 @@ def main(argv=None) -> dict:
   p.add_argument("--ring-dtype", default="bfloat16", help="ReplaySSM ring dtype ('none': the model's)")
   p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
   p.add_argument("--prefill-tokens", type=int, default=8192, help="EngineConfig.prefill_tokens")
+  p.add_argument("--shared-len", type=int, default=None,
+                 help="tokens every 'shared' prompt starts with (default: half of --prompt-len)")
+  p.add_argument("--prefix-block", type=int, default=0, help="EngineConfig.prefix_block (0: off)")
+  p.add_argument("--prefix-slots", type=int, default=None,
+                 help="EngineConfig.prefix_slots with --prefix-block (default: one per request)")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out-json", default=None)
   p.add_argument("--plot", default=None, help="write the tokens/s plot (PNG) here")
@@ -259,6 +280,11 @@ def main(argv=None) -> dict:
     args.ring_dtype = "none"
   if args.drafts < 1:
     p.error(f"--drafts={args.drafts}; expected >= 1")
+  if args.shared_len is not None and not 0 <= args.shared_len <= args.prompt_len:
+    p.error(f"--shared-len {args.shared_len}; expected 0 to --prompt-len = {args.prompt_len}")
+  if args.prefix_block < 0 or (args.prefix_slots is not None and args.prefix_slots < 1):
+    p.error(f"--prefix-block {args.prefix_block}, --prefix-slots {args.prefix_slots}; expected "
+            f"a block >= 0 (0: off) and, if given, slots >= 1")
   arms = tuple(args.arms.split(","))
   if not arms or any(a not in ARMS for a in arms):
     p.error(f"--arms={args.arms!r}; expected a comma-separated subset of {', '.join(ARMS)}")
@@ -269,7 +295,8 @@ def main(argv=None) -> dict:
                new_tokens=args.new_tokens, prompt_len=args.prompt_len, phrase=args.phrase,
                reps=args.reps, buffer_len=args.buffer_len,
                ring_dtype=None if args.ring_dtype == "none" else args.ring_dtype, arms=arms,
-               prefill_tokens=args.prefill_tokens, on_arm=save)
+               prefill_tokens=args.prefill_tokens, shared_len=args.shared_len,
+               prefix_block=args.prefix_block, prefix_slots=args.prefix_slots, on_arm=save)
   print(_table(result))
   out = {"meta": meta, "result": result}
   save(result)

@@ -3,6 +3,8 @@
 plot, and through the serving engine with and without drafting; the tables have every row."""
 import json
 
+import pytest
+
 from bench import engine_spec, model_e2e
 
 
@@ -59,3 +61,19 @@ def test_engine_spec_overlapped_drafting_smoke():
   assert rows[1]["accepted"] > 0
   assert all((r["drafted"], r["accepted"]) == (rows[1]["drafted"], rows[1]["accepted"])
              for r in rows[2:])
+
+
+def test_engine_spec_prefix_caching_smoke():
+  # With prefix caching on prompts that share their first half, the overlapped decode arm emits
+  # the synchronous arm's tokens, and the snapshots serve every request after the first.
+  out = engine_spec.main(["--smoke", "--prompts", "shared", "--prefix-block", "4", "--arms",
+                          "decode-replay,decode-replay-overlap"])
+  rows = out["result"]["rows"]
+  assert [(r["arm"], r["overlapped"]) for r in rows] == [("decode-replay", False),
+                                                         ("decode-replay-overlap", True)]
+  assert all(r["identical_to_baseline"] == 1.0 and r["prefix_block"] == 4 for r in rows)
+  assert [r["prefix_hit_tokens"] for r in rows] == [4, 4]   # B = 2, 6 shared tokens: one block
+  with pytest.raises(SystemExit):    # one line on stderr: "--shared-len 13; expected 0 to ..."
+    engine_spec.main(["--smoke", "--prompts", "shared", "--shared-len", "13"])
+  with pytest.raises(ValueError, match="--shared-len 13; expected 0 to --prompt-len = 12"):
+    engine_spec.prompt_sets(["shared"], batch=2, length=12, phrase=4, vocab=64, shared_len=13)
