@@ -264,14 +264,17 @@ def test_overlapped_prefix_caching_equals_synchronous(model, solo, tmp_path):
   assert expected["r4"] == solo[2][:4] and sync.prefix_hits == 2
   assert (sync.stats("r2").prefix_hit_tokens, sync.stats("r3").prefix_hit_tokens) == (8, 12)
   # overlapped steps give the same tokens, snapshots (prefix → slot) and snapshot slots (every
-  # pool array past the request slots; a request slot differs where r4 ran a step past its stop),
+  # pool array past the request slots, up to float32 rounding: a row that finishes in flight is a
+  # padding row of the next step, so some steps run other batch widths; a request slot differs
+  # where r4 ran a step past its stop),
   got, over = run(block)
   assert over.config.overlapped and got == expected
   assert over._snapshots == sync._snapshots and over.prefix_hits == sync.prefix_hits
   n, first = block.num_slots, block.max_running
   for x, y in zip(jax.tree.leaves(sync.cache), jax.tree.leaves(over.cache)):
     if x.ndim and x.shape[0] == n:
-      np.testing.assert_array_equal(np.asarray(x)[first:], np.asarray(y)[first:])
+      np.testing.assert_allclose(np.asarray(x)[first:], np.asarray(y)[first:], rtol=1e-5,
+                                 atol=1e-6)
   # also across a preempt with a step in flight.
   got, resumed = run(block, tmp_path / "ckpt")
   assert got == expected and resumed._snapshots == sync._snapshots
