@@ -99,7 +99,7 @@ def _grouped_matmul(x, w, group_sizes, *, out_dtype, cfg, interpret):
       name="replayssm_moe_grouped_matmul", interpret=interpret,
       compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
   )(group, first, end, xp, w)
-  # Rows no tile stored (past Σ sizes, and the padding) hold whatever the buffer held: zeros.
+  # No tile stores the rows past Σ sizes (nor the padding): their buffer values are undefined.
   covered = jnp.arange(rows) < jnp.sum(group_sizes.astype(jnp.int32))
   return jnp.where(covered[:, None], out, jnp.zeros((), out_dtype))[:m]
 

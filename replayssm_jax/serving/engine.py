@@ -30,21 +30,21 @@ states live in per-slot stacks of T_max = k + 1 states (``LM.init_cache(verify_s
 and the rollback picks the state at the accepted index, the baseline for ReplaySSM verify.
 
 Prefix caching (``prefix_block > 0``): a prompt is prefilled in blocks of ``prefix_block`` tokens
-(``LM.prefill(..., resume=True)`` continues a slot's sequence) and after each full block the slot is
-snapshotted into a prefix slot (``copy_slots`` of every layer plus its conv state), keyed by the
+(``LM.prefill(..., resume=True)`` continues a slot's sequence) and after each full block the slot
+is snapshotted into a prefix slot (``copy_slots`` of every layer plus its conv state), keyed by the
 token prefix. During decode, a row whose sequence reaches a block boundary below max_prompt_len
 gets a *forced flush* (``cursor.plan(force_flush=...)`` through ``LM.decode`` / ``LM.verify``;
 cached or not, so a request's flushes depend on it alone) so its checkpoint is exactly the state
-there with an empty ring window, then it is snapshotted too unless that prefix is cached. A snapshot is only
-taken between steps, when the slot's state covers exactly a block boundary, so speculative rows
-never jump over one: their drafts are cut to end on the next boundary below max_prompt_len
-(cached or not, so a request's draft counts depend on the request alone). A row whose last
-emitted token reaches a boundary is a one-token lane (forced flush, as in decode); a run of
-accepted drafts that ends on a boundary is snapshotted with its ring window (``copy_slots``
-copies checkpoint, ring and cursor, so that snapshot is exact too). A later request whose prompt starts
-with a cached prefix (at least one token must remain to produce logits) copies the snapshot into
-its slot and prefills only the rest. Snapshots are evicted least-recently-used. If caching is on,
-prompts were looked up, and nothing ever hit, ``run()`` warns (``RuntimeWarning`` + log).
+there with an empty ring window, then it is snapshotted too unless that prefix is cached. A
+snapshot is only taken between steps, when the slot's state covers exactly a block boundary, so
+speculative rows never jump over one: their drafts are cut to end on the next boundary below
+max_prompt_len (cached or not, so a request's draft counts depend on the request alone). A row
+whose last emitted token reaches a boundary is a one-token lane (forced flush, as in decode); a run
+of accepted drafts that ends on a boundary is snapshotted with its ring window (``copy_slots``
+copies checkpoint, ring and cursor, so that snapshot is exact too). A later request whose prompt
+starts with a cached prefix (at least one token must remain to produce logits) copies the snapshot
+into its slot and prefills only the rest. Snapshots are evicted least-recently-used. If caching is
+on, prompts were looked up, and nothing ever hit, ``run()`` warns (``RuntimeWarning`` + log).
 
 Preemption: ``preempt(directory)`` writes params and cache with Orbax (a synchronous ``Checkpointer``)
 plus the host scheduler state (requests, slots, snapshots, clocks) as JSON and closes the engine;
@@ -53,22 +53,20 @@ see the same arrays (the drafters are rebuilt from each request's tokens: they a
 them).
 
 Overlapped steps (the default, except for drafting with prefix caching; ``overlap=False`` turns
-them off): a
-step is dispatched before the host reads the tokens of the one before, from those tokens on the
-device, so the host's work (reading tokens, stop and length checks, bookkeeping) runs while the
-device computes the next step. While requests wait for a slot, the
-engine collects first and admits as usual. A row that reaches ``max_new_tokens`` in the step in
-flight is a padding row of the next; one that hits a stop token there computes one more step
-into the slot it frees, which nobody reads (the next request in that slot starts from a fresh
-prefill). With drafting the device keeps each row's token history (prompt + ``max_new_tokens``
-must fit ``max_seq_len``), drafts with ``models.generate.ngram_drafts`` (what the host drafter
-proposes), applies the same draft cuts, and makes a row that reached its budget a padding row
-(no stop-token list on the device: its shape would vary with the requests). Tokens and drafts
-are those of synchronous steps; ``step()`` reports a request finished one call later.
-With prefix caching a row's decode-boundary snapshot is taken at the start of the next
-``step()``, before anything else touches its slot (the flush is planned by position alone, and
-by then the host holds every token its state covers). ``preempt`` collects the step in flight
-first.
+them off): a step is dispatched before the host reads the tokens of the one before, from those
+tokens on the device, so the host's work (reading tokens, stop and length checks, bookkeeping) runs
+while the device computes the next step. While requests wait for a slot, the engine collects first
+and admits as usual. A row that reaches ``max_new_tokens`` in the step in flight is a padding row
+of the next; one that hits a stop token there computes one more step into the slot it frees, which
+nobody reads (the next request in that slot starts from a fresh prefill). With drafting the device
+keeps each row's token history (prompt + ``max_new_tokens`` must fit ``max_seq_len``), drafts with
+``models.generate.ngram_drafts`` (what the host drafter proposes), applies the same draft cuts, and
+makes a row that reached its budget a padding row (no stop-token list on the device: its shape
+would vary with the requests). Tokens and drafts are those of synchronous steps; ``step()`` reports
+a request finished one call later. With prefix caching a row's decode-boundary snapshot is taken at
+the start of the next ``step()``, before anything else touches its slot (the flush is planned by
+position alone, and by then the host holds every token its state covers). ``preempt`` collects the
+step in flight first.
 
 Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
 request, so tokens never depend on the batch a request shares (speculative draws derive from the
