@@ -282,9 +282,8 @@ def l2_normalize(x, axis=-1):
 # Launch configs
 
 _CFG_KEYS = {"fbv": "fold_block_v", "fbk": "fold_block_k", "fw": "fold_num_warps", "fr": "fold_rows",
-             "ft": "fold_tiles", "xbv": "flush_block_v", "xbk": "flush_block_k",
-             "xw": "flush_num_warps", "bv": "block_v", "bk": "block_k", "w": "num_warps",
-             "s": "num_stages", "r": "rows"}
+             "ft": "fold_tiles", "bv": "block_v", "bk": "block_k", "w": "num_warps", "s": "num_stages",
+             "r": "rows"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,10 +323,8 @@ def parse_knobs(text: str, keys: dict, *, example: str) -> tuple:
 def parse_config(text: str) -> LaunchConfig:
   """``default`` or tokens like ``bv32w2s3`` (block_v, num_warps, num_stages), ``bk64`` (block_k of
   the replay step), ``fbv64fw4ft2`` (fold_block_v, fold_num_warps, fold_tiles of the replay
-  fold pass; ``fbk``, ``fr`` its block_k and row slots), e.g. ``bv64w4fbv32fw2``, ``xbv32xw2``
-  (flush_block_v, flush_num_warps of the fold-and-step pass over the flushing rows; ``xbv0`` the
-  fold pass instead; ``xbk`` the Mamba2 pass's rebuild chunk), and ``r4`` (batch rows per program
-  of the Mosaic kernels)."""
+  fold pass; ``fbk``, ``fr`` its block_k and row slots), e.g. ``bv64w4fbv32fw2``, and ``r4``
+  (batch rows per program of the Mosaic kernels)."""
   overrides = parse_knobs(text, _CFG_KEYS, example="bv64w4s2")
   return LaunchConfig(text.strip() if overrides else "default", overrides)
 

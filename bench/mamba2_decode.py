@@ -78,9 +78,7 @@ ARMS = harness.STANDARD_ARMS + ("replay-pallas-flushall", "conv-mosaic", "replay
 DEFAULT_ARMS = harness.STANDARD_ARMS
 _KNOBS = {"block_v": "block_p", "block_k": "block_n", "num_warps": "num_warps",
           "num_stages": "num_stages", "fold_block_v": "fold_block_p", "fold_block_k": "fold_block_n",
-          "fold_num_warps": "fold_num_warps", "fold_rows": "fold_rows", "fold_tiles": "fold_tiles",
-          "flush_block_v": "flush_block_p", "flush_block_k": "flush_block_n",
-          "flush_num_warps": "flush_num_warps"}
+          "fold_num_warps": "fold_num_warps", "fold_rows": "fold_rows", "fold_tiles": "fold_tiles"}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -64,7 +64,6 @@ class DeviceTables:
   gdn_replay_step: Table           # GDN output-only replay step [BV, BK] tile
   gdn_fold: Table                  # GDN fold pass [BV, BK] tile (and materialize); by ring_size
   gdn_fold_tiles: Table            # GDN fold tiles per program; by state, batch
-  gdn_flush_step: Table            # GDN fold-and-step pass [BV, K] (None: fold pass); by state, batch, R
   verify_route: Table              # route of replay_verify(route=None), both families
   gdn_verify_reconstruct: Table    # GDN verify reconstruct tile; None: the decode tile
   gdn_verify_output_only: Table    # GDN verify output-only step; by tokens; None: the replay step
@@ -76,7 +75,6 @@ class DeviceTables:
   mamba2_replay_step: Table        # Mamba2 replay step tile; by route
   mamba2_fold: Table               # Mamba2 fold tile by ring_size; None: GDN's fold tile
   mamba2_fold_tiles: Table         # Mamba2 fold tiles per program; by ring_size, batch
-  mamba2_flush_step: Table         # Mamba2 fold-and-step pass [BP, N] (None: fold pass); by state, batch, R
   mamba2_verify_reconstruct: Table  # Mamba2 verify reconstruct tile; None: the decode tile
   mamba2_verify_output_only: Table  # Mamba2 verify output-only step; by tokens
   mamba2_materialize: Table        # Mamba2 materialize tile
@@ -135,8 +133,6 @@ H200 = DeviceTables(
                "git show 60b2ea2:bench/results/gdn_decode_2026-11-30_s11_fold_tiles4.json",
                "git show 60b2ea2:bench/results/gdn_decode_2026-11-30_s11_fold_tiles8.json",
                "gdn_decode_2026-11-30_fold_tiles_b32_b128.json")),
-    gdn_flush_step=Table({"f32": always(None), "bf16": always(None)},
-                         source=("untuned: the fold pass until the fold-and-step pass is measured",)),
     # B = 256, L = 16, f32, x the conventional speculative verify: reconstruct [8, ·]/1 GDN 1.33x
     # (T = 4) / 1.49x (T = 8), Mamba2 1.41x / 1.82x; output-only GDN 0.52x / 0.09x, Mamba2 0.71x /
     # 0.55x.
@@ -238,8 +234,6 @@ H200 = DeviceTables(
     mamba2_fold_tiles=Table({ANY: (({"ring_size": (16, None), "batch": (256, None)}, 4), ({}, 1))},
                             source=("mamba2_decode_2026-11-30_fold_tiles.json",
                                     "git show 60b2ea2:bench/results/mamba2_decode_2026-11-30_s12_fold_tiles_default.json")),
-    mamba2_flush_step=Table({"f32": always(None), "bf16": always(None)},
-                            source=("untuned: the fold pass until the fold-and-step pass is measured",)),
     # B = 256, L = 16: [8, N]/1 1.026 / 1.490 ms (T = 4 / 8) vs the decode's [16, N]/2 1.119 /
     # 1.892.
     mamba2_verify_reconstruct=Table({ANY: always(_m2(8, 1))},
@@ -308,7 +302,6 @@ CPU = DeviceTables(
     gdn_replay_step=Table({ANY: always(_tile(16, 4, HALF))}, source=_INTERPRET),
     gdn_fold=Table({ANY: always(_tile(16, 4, HALF))}, source=_INTERPRET),
     gdn_fold_tiles=Table({"f32": always(2), "bf16": always(2)}, source=_INTERPRET),
-    gdn_flush_step=Table({"f32": always(_CPU_TILE), "bf16": always(_CPU_TILE)}, source=_INTERPRET),
     verify_route=Table({ANY: always("output_only")},
                        source=("interpret mode: the route the interpret tests were sized for (both "
                                "routes are tested by name)",)),
@@ -328,8 +321,6 @@ CPU = DeviceTables(
                              source=_INTERPRET),
     mamba2_fold=Table({ANY: always(None)}, source=_INTERPRET),
     mamba2_fold_tiles=Table({ANY: always(2)}, source=_INTERPRET),
-    mamba2_flush_step=Table({"f32": always(_m2(HALF_POW2, 4, HALF_POW2)),
-                             "bf16": always(_m2(HALF_POW2, 4, HALF_POW2))}, source=_INTERPRET),
     mamba2_verify_reconstruct=Table({ANY: always(None)}, source=_INTERPRET),
     mamba2_verify_output_only=Table({ANY: always(_CPU_M2)}, source=_INTERPRET),
     mamba2_materialize=Table({ANY: always(_m2(HALF_POW2, 4, HALF_POW2))}, source=_INTERPRET),

@@ -106,19 +106,14 @@ class KernelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
-  """The replay step kernel, its compute route for route="auto", and the flushing rows' pass with
-  ``fold_rows`` row slots (its grid's third axis; flushing rows beyond that loop). Output-only
-  route, two forms: ``flush_step`` None, the step appends every live row's token and the fold pass
-  (``fold_tiles`` [BV, BK] tiles ``fold`` per program; a row's window and decays are loaded once
-  for them) folds window + token into the checkpoint; or ``flush_step`` a [BV, K] tile, the step
-  skips flushing rows and a fold-and-step pass over them folds the window, steps the token and
-  writes o, so their checkpoint is read once."""
+  """The replay step kernel, its compute route for route="auto", and the flush-fold pass with
+  ``fold_rows`` row slots (its grid's third axis; flushing rows beyond that loop) and
+  ``fold_tiles`` [BV, BK] tiles per program (a row's window and decays are loaded once for them)."""
   step: KernelConfig
   route: str
   fold: KernelConfig
   fold_rows: int = 1
   fold_tiles: int = 1
-  flush_step: KernelConfig | None = None
 
   def __post_init__(self):
     if self.route not in ROUTES:
@@ -163,16 +158,13 @@ def replay_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim:
   fold = _gdn_fold(device, head_k_dim, ring_size)
   fold_rows = _decode_fold_rows(batch, buffer_len)
   fold_tiles = _pick(device.gdn_fold_tiles, _state(state_dtype), batch=batch)
-  flush_step = _pick(device.gdn_flush_step, _state(state_dtype), batch=batch, ring_size=ring_size)
-  if flush_step is not None:
-    flush_step = _kernel(flush_step, head_k_dim).fit(head_v_dim, head_k_dim)
   if route == "reconstruct":
     # The conventional decode's [BV, K] tile (the kernel is that step plus a window replay into the
     # tile); the route loses to output-only with any tile, so it is taken only by name.
     step = decode_config(device_kind=device_kind, state_dtype=state_dtype, head_k_dim=head_k_dim,
                          head_v_dim=head_v_dim, batch=batch).fit(head_v_dim, head_k_dim)
   return ReplayConfig(step=step, route=route, fold=fold.fit(head_v_dim, head_k_dim),
-                      fold_rows=fold_rows, fold_tiles=fold_tiles, flush_step=flush_step)
+                      fold_rows=fold_rows, fold_tiles=fold_tiles)
 
 
 def flush_decode_config(*, device_kind: str, state_dtype, head_k_dim: int, head_v_dim: int,
@@ -264,18 +256,15 @@ class Mamba2Config:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Mamba2ReplayConfig:
-  """The replay step and its compute route; for the output-only route also the flushing rows'
-  pass over ``fold_rows`` row slots, in one of two forms as GDN's (``ReplayConfig``): the fold pass
-  (pallas/fold_triton.py: tile ``fold`` [block_v = P rows, block_k = N columns], ``fold_tiles``
-  tiles per program) after a step that appended every row's token, or, where ``flush_step`` is a
-  tile, a fold-and-step pass over the flushing rows the step skipped. The reconstruct route
-  stores flushing rows in its own launch (``fold`` is None)."""
+  """The replay step and its compute route; for the output-only route also the flush-fold pass
+  (pallas/fold_triton.py: tile ``fold`` [block_v = P rows, block_k = N columns], ``fold_rows`` row
+  slots, ``fold_tiles`` tiles per program). The reconstruct route stores flushing rows in its own
+  launch (``fold`` is None)."""
   step: Mamba2Config
   route: str
   fold: KernelConfig | None = None
   fold_rows: int = 1
   fold_tiles: int = 1
-  flush_step: Mamba2Config | None = None
 
   def __post_init__(self):
     if self.route not in ROUTES:
@@ -329,15 +318,11 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
     return Mamba2ReplayConfig(step=cfg, route=route)
   # Output-only: a separate fold pass over the flushing rows, as GDN (a fold branch inside the step
   # kernel costs every program occupancy).
-  flush_step = _pick(device.mamba2_flush_step, _state(state_dtype), batch=batch,
-                     ring_size=ring_size)
   return Mamba2ReplayConfig(step=cfg, route=route,
                             fold=_mamba2_fold(device, head_dim, state_dim, ring_size),
                             fold_rows=_decode_fold_rows(batch, buffer_len),
                             fold_tiles=_pick(device.mamba2_fold_tiles, ring_size=ring_size,
-                                             batch=batch),
-                            flush_step=None if flush_step is None
-                            else _mamba2(flush_step, head_dim, state_dim).fit(head_dim, state_dim))
+                                             batch=batch))
 
 
 def mamba2_flush_decode_config(*, device_kind: str, state_dtype, head_dim: int,

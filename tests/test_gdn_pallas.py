@@ -212,37 +212,6 @@ def test_fold_tiles_change_the_fold_grid_not_results():
                              fold_tiles=3)
 
 
-def test_flush_passes_agree():
-  """Flushing rows served by the fold-and-step pass (the CPU default: the step kernel skips them)
-  or by the fold pass (``flush_block_v=0``: the step appends their token, the fold folds it): the
-  same outputs and buffers, ring entries included, over steps with natural and forced flushes of
-  wrapped windows; non-flushing rows' checkpoints are not written by either."""
-  rng = np.random.default_rng(13)
-  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)
-  first = _poisoned_buffers(cursor, jnp.float32, _initial_states(rng, jnp.float32))
-  bufs = {"step": first, "fold": first}
-  knobs = {"step": {}, "fold": {"flush_block_v": 0}}
-  flushed = 0
-  for t in range(9):
-    slots = _slots_at(t)
-    force = jnp.asarray((np.asarray(slots) >= 0) & (np.arange(len(SLOTS)) == 2) & (t == 3))
-    plan = cursor.plan(slots, force_flush=force)
-    flushed += int(np.sum(np.asarray(plan.flush)))
-    args = make_gdn_step(rng, len(SLOTS), HK, HV, K, V).as_jax()
-    out = {}
-    for name in bufs:
-      out[name], bufs[name] = gdn_triton.replay_decode(*args, bufs[name], plan, scale=K ** -0.5,
-                                                       route="output_only", **knobs[name])
-    _assert_close(f"t={t} o", out["step"], out["fold"], 1e-6)
-    for a, b in zip(jax.tree.leaves(bufs["step"]), jax.tree.leaves(bufs["fold"])):
-      _assert_close(f"t={t} buffers", a, b, 1e-6)
-    cursor = cursor.commit(plan)
-  assert flushed >= 4
-  with pytest.raises(ValueError, match="flush_block_v=-1"):
-    gdn_triton.replay_decode(*args, first, cursor.plan(_slots_at(0)), scale=K ** -0.5,
-                             flush_block_v=-1)
-
-
 def test_fold_tiles_defaults():
   """H200: two tiles per fold program for f32 state from B=128, four for bf16 at B=256, one at
   smaller batches (the launch table gdn_fold_tiles: few flushing rows need many programs)."""
@@ -265,11 +234,8 @@ def test_the_pallas_kernels_run():
   text = lambda impl: str(jax.make_jaxpr(
       lambda b: rs.gdn.replay_decode(*args, b, plan, implementation=impl))(bufs))
   assert "replayssm_gdn_replay_step" in text("pallas_triton")
-  assert "replayssm_gdn_flush_rows" in text("pallas_triton")   # the CPU table's flush pass
+  assert "replayssm_gdn_fold" in text("pallas_triton")
   assert "pallas_call" not in text("xla")
-  fold = str(jax.make_jaxpr(lambda b: gdn_triton.replay_decode(
-      *args, b, plan, scale=K ** -0.5, flush_block_v=0))(bufs))
-  assert "replayssm_gdn_fold" in fold and "replayssm_gdn_flush_rows" not in fold
 
 
 def test_non_power_of_two_raises():
@@ -320,8 +286,7 @@ def production_inputs():
 @pytest.mark.parametrize("buffer_len", [8, P_L, 32])
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", ["decode", "replay_output_only", "replay_reconstruct",
-                                    "replay_output_only_k64", "replay_output_only_flush_step",
-                                    "materialize", "flush_all"])
+                                    "replay_output_only_k64", "materialize", "flush_all"])
 def test_lowers_for_h200(kernel, state_dtype, buffer_len, production_inputs):
   if kernel == "decode" and buffer_len != P_L:
     pytest.skip("the conventional kernel has no ring")
@@ -340,11 +305,6 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, production_inputs):
     text = lower_for_h200(lambda b, p, *x: gdn_triton.replay_decode(*x, b, p, scale=P_K ** -0.5,
                                                             route="output_only", block_k=64),
                   (0,), bufs, cursor.plan(slots), *step)
-  elif kernel == "replay_output_only_flush_step":   # step + fold-and-step pass (a knob on the H200)
-    text = lower_for_h200(lambda b, p, *x: gdn_triton.replay_decode(*x, b, p, scale=P_K ** -0.5,
-                                                            route="output_only", flush_block_v=32),
-                  (0,), bufs, cursor.plan(slots), *step)
-    assert text.count("__gpu$xla.gpu.triton") == 2
   elif kernel == "flush_all":   # the small-batch policy's one-pass fold-and-step kernel
     text = lower_for_h200(lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation="pallas_triton"),
                   (0,), bufs, cursor.plan(slots, flush_all=True), *step)

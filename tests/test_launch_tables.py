@@ -31,7 +31,6 @@ P, N, H, G = 64, 128, 128, 8   # Mamba2 head (Nemotron-3-Super)
 # Keys each table must have (the library promises f32, bf16 and f16 state, both families, both
 # routes); the rest have the single key ANY.
 KEYS = {"gdn_decode": set(STATES), "gdn_flush_decode": set(STATES), "gdn_fold_tiles": set(STATES),
-        "gdn_flush_step": set(STATES), "mamba2_flush_step": set(STATES),
         "mamba2_decode": set(STATES), "mamba2_replay_route": set(STATES),
         "verify_mosaic": set(FAMILY_STATE), "replay_min_batch": set(FAMILY_STATE),
         "mamba2_replay_step": set(config.ROUTES)}
@@ -177,9 +176,6 @@ CHECKS = {
     "gdn_fold_tiles": (
         lambda kind, key, pt: config.replay_config(**_gdn_kw(kind, key, pt)).fold_tiles,
         lambda e, kind, key, pt: e),
-    "gdn_flush_step": (
-        lambda kind, key, pt: config.replay_config(**_gdn_kw(kind, key, pt)).flush_step,
-        lambda e, kind, key, pt: None if e is None else _gdn_tile(e, V, K)),
     "verify_route": (lambda kind, key, pt: (_verify(kind, pt, None).route,
                                             _m2_verify(kind, pt, None).route),
                      lambda e, kind, key, pt: (e, e)),
@@ -222,10 +218,6 @@ CHECKS = {
         lambda kind, key, pt: config.mamba2_replay_config(**_m2_kw(kind, "f32", pt),
                                                           route="output_only").fold_tiles,
         lambda e, kind, key, pt: e),
-    "mamba2_flush_step": (
-        lambda kind, key, pt: config.mamba2_replay_config(**_m2_kw(kind, key, pt),
-                                                          route="output_only").flush_step,
-        lambda e, kind, key, pt: None if e is None else config._mamba2(e, P, N).fit(P, N)),
     "mamba2_verify_reconstruct": (
         lambda kind, key, pt: _m2_verify(kind, pt, "reconstruct").step,
         lambda e, kind, key, pt: (_m2_decode(kind, "f32", pt) if e is None

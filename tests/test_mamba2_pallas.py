@@ -347,45 +347,6 @@ def test_fold_tiles_change_the_fold_grid_not_results():
     decode(make_step(rng, len(SLOTS), H, G, p, N).as_jax(), first, cursor.plan(_slots_at(0)), 3)
 
 
-def test_flush_passes_agree():
-  """Flushing rows served by the fold-and-step pass (the CPU default: the step kernel skips them)
-  or by the fold pass (``flush_block_p=0``: the step appends their token, the fold folds it): the
-  same outputs and buffers, ring entries included, over steps with natural and forced flushes of
-  wrapped windows, P = 24 (three row tiles)."""
-  rng = np.random.default_rng(13)
-  _, jp = _params(rng)
-  p = 24
-  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=4)
-  first = _poisoned_buffers(cursor, p, jnp.float32, _initial_states(rng, p, jnp.float32))
-  bufs = {"step": first, "fold": first}
-  knobs = {"step": {}, "fold": {"flush_block_p": 0}}
-  flushed = 0
-  for t in range(9):
-    slots = _slots_at(t)
-    force = jnp.asarray((np.asarray(slots) >= 0) & (np.arange(len(SLOTS)) == 2) & (t == 3))
-    plan = cursor.plan(slots, force_flush=force)
-    flushed += int(np.sum(np.asarray(plan.flush)))
-    a = make_step(rng, len(SLOTS), H, G, p, N).as_jax()
-    out = {}
-    for name in bufs:
-      out[name], bufs[name] = mamba2_triton.replay_decode(
-          a["x"], a["dt"], jp["A"], a["B"], a["C"], bufs[name], plan, D=jp["D"], z=a["z"],
-          dt_bias=jp["dt_bias"], dt_softplus=True, route="output_only", **knobs[name])
-    _assert_close(f"t={t} y", out["step"], out["fold"], 1e-6)
-    for x, y in zip(jax.tree.leaves(bufs["step"]), jax.tree.leaves(bufs["fold"])):
-      _assert_close(f"t={t} buffers", x, y, 1e-6)
-    cursor = cursor.commit(plan)
-  assert flushed >= 4
-  fold = str(jax.make_jaxpr(lambda b: mamba2_triton.replay_decode(
-      a["x"], a["dt"], jp["A"], a["B"], a["C"], b, plan, D=None, z=None, dt_bias=None,
-      dt_softplus=True, route="output_only", flush_block_p=0))(first))
-  assert "replayssm_mamba2_fold" in fold and "replayssm_mamba2_flush_rows" not in fold
-  with pytest.raises(ValueError, match="flush_block_p=-1"):
-    mamba2_triton.replay_decode(a["x"], a["dt"], jp["A"], a["B"], a["C"], first, plan, D=None,
-                                z=None, dt_bias=None, dt_softplus=True, route="output_only",
-                                flush_block_p=-1)
-
-
 def test_fold_tiles_defaults():
   """H200: one tile per fold program where the ring is short (R < 16: unrolled rank-one FMAs), four
   where the fold is a window product at B=256 (the launch table mamba2_fold_tiles)."""
@@ -428,8 +389,6 @@ def _production(geometry, buffer_len, state_dtype):
     ("replay_reconstruct", "float32", 8, "super"), ("replay_reconstruct", "bfloat16", 16, "super"),
     ("materialize", "float32", 16, "super"), ("replay_output_only", "float32", 8, "nano"),
     ("flush_all", "float32", 16, "super"), ("flush_all", "bfloat16", 32, "nano"),
-    ("replay_output_only_flush_step", "float32", 16, "super"),
-    ("replay_output_only_flush_step", "bfloat16", 8, "nano"),
 ])
 def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   slots, cursor, bufs, step, extra = _production(SUPER if geometry == "super" else NANO, buffer_len,
@@ -441,11 +400,6 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   elif kernel == "materialize":
     text = lower_for_h200(lambda b, c, s: rs.mamba2.materialize(b, c, s, implementation="pallas_triton"),
                   (), bufs, cursor, slots)
-  elif kernel == "replay_output_only_flush_step":   # step + fold-and-step pass (a knob on the H200)
-    text = lower_for_h200(lambda b, p, x, dt, A, B, C: mamba2_triton.replay_decode(
-        x, dt, A, B, C, b, p, z=x, route="output_only", dt_softplus=True, flush_block_p=32,
-        **extra), (0,), bufs, cursor.plan(slots), *step)
-    assert text.count("__gpu$xla.gpu.triton") == 2
   else:
     route = "output_only" if kernel == "flush_all" else kernel.removeprefix("replay_")
     text = lower_for_h200(lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(

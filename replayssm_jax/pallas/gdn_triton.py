@@ -91,40 +91,33 @@ def _delta_rule_step(S, k, q, v, g, beta, scale):
   return S, jnp.sum(S * (q.astype(f32) * scale)[None, :], axis=1), u
 
 
-def _fold_and_step(b, s, vt, h, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                   state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref, state_out, ring_out=None,
-                   *, scale, group, block_v, ring_size):
-  """Live row b (slot s): fold its window into the [BV, K] checkpoint tile, step the tile with the
-  row's token, write o and the new checkpoint. An empty window is the conventional decode.
-  ring_out: (ring_k, ring_u, ring_g) outputs to append the token to at ``base + count``, as the
-  step kernel does for every other row (the commit of a flushing row moves base past it, so the
-  entry only keeps the buffers alike across implementations); None appends nothing."""
+def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                         state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref, state_out,
+                         *, scale, group, block_v, ring_size):
+  """Every live row flushes (``plan.flush_all``): fold the window into the [BV, K] checkpoint tile,
+  step it with token 0 and write it back. After one such step every window is empty (the commit
+  moves base past token 0, which is therefore never appended to the ring), so the steady state is
+  the conventional decode's pass; only a row that arrives with a window runs the fold branch."""
+  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s = slots_ref[b]
   tile = pl.ds(vt * block_v, block_v)
   hk, base, count = h // group, base_ref[b], count_ref[b]
 
   def step_and_write(S):
-    k, g = k_ref[b, hk, :], g_ref[b, h]
-    S, o, u = _delta_rule_step(S, k, q_ref[b, hk, :], v_ref[b, h, tile], g, beta_ref[b, h], scale)
+    S, o, _ = _delta_rule_step(S, k_ref[b, hk, :], q_ref[b, hk, :], v_ref[b, h, tile],
+                               g_ref[b, h], beta_ref[b, h], scale)
     o_ref[b, h, tile] = o.astype(o_ref.dtype)
     state_out[s, h, tile, :] = S.astype(state_out.dtype)
-    if ring_out is not None:
-      ring_k_out, ring_u_out, ring_g_out = ring_out
-      put = (base + count) % ring_size
-      ring_u_out[s, h, put, tile] = u.astype(ring_u_out.dtype)
 
-      @pl.when(vt == 0)  # g is per head, k per key head: one program appends each
-      def _():
-        ring_g_out[s, h, put] = g.astype(ring_g_out.dtype)
+  @pl.when(s < 0)
+  def _():
+    o_ref[b, h, tile] = jnp.zeros((block_v,), o_ref.dtype)
 
-        @pl.when(h % group == 0)
-        def _():
-          ring_k_out[s, hk, put, :] = k.astype(ring_k_out.dtype)
-
-  @pl.when(count == 0)
+  @pl.when((s >= 0) & (count == 0))
   def _():
     step_and_write(state_ref[s, h, tile, :].astype(f32))
 
-  @pl.when(count > 0)
+  @pl.when((s >= 0) & (count > 0))
   def _():
     _, inside = window_offsets((ring_size,), base, count, ring_size)
     rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
@@ -133,46 +126,6 @@ def _fold_and_step(b, s, vt, h, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref,
         jnp.exp(total) * state_ref[s, h, tile, :].astype(f32), w, inside,
         lambda rows: ring_k_ref.at[s, hk, rows, :], lambda rows: ring_u_ref.at[s, h, rows, tile],
         ring_size))
-
-
-def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                         state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref, state_out,
-                         *, block_v, **static):
-  """Every live row flushes (``plan.flush_all``), grid (V/BV, Hv, B): ``_fold_and_step`` on every
-  live row. After one such step every window is empty, so the steady state is the conventional
-  decode's pass; only a row that arrives with a window runs the fold branch."""
-  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  s = slots_ref[b]
-
-  @pl.when(s < 0)
-  def _():
-    o_ref[b, h, pl.ds(vt * block_v, block_v)] = jnp.zeros((block_v,), o_ref.dtype)
-
-  @pl.when(s >= 0)
-  def _():
-    _fold_and_step(b, s, vt, h, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                   state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref, state_out,
-                   block_v=block_v, **static)
-
-
-def _flush_rows_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref,
-                       g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_in_ref,
-                       o_ref, state_out, ring_k_out, ring_u_out, ring_g_out, *, row_slots, **static):
-  """The flushing rows of a replay step, compacted (``rows[:num_rows]``), grid (V/BV, Hv,
-  row_slots): program (vt, h, z) runs ``_fold_and_step`` on rows ``rows[z], rows[z + row_slots],
-  …``. Their output rows complete ``o`` (aliased: the step kernel skipped them), so each flushing
-  row's checkpoint is read once per step, by this pass."""
-  del o_in_ref  # aliased to o_ref
-  vt, h, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-
-  def one_row(i, carry):
-    b = rows_ref[z + i * row_slots]
-    _fold_and_step(b, slots_ref[b], vt, h, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref,
-                   beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref, state_out,
-                   (ring_k_out, ring_u_out, ring_g_out), **static)
-    return carry
-
-  lax.fori_loop(0, (num_rows_ref[0] - z + row_slots - 1) // row_slots, one_row, 0)
 
 
 def _reconstruct_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
@@ -237,16 +190,13 @@ def _sum_chunks(parts):
   return functools.reduce(lambda a, b: a + b, parts)
 
 
-def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref, v_ref, g_ref,
-                        beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
+def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                        state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
                         o_ref, ring_k_out, ring_u_out, ring_g_out,
-                        *, scale, group, block_v, block_k, ring_size, skip_flushing):
-  """Output-only step: S_{t-1} x = e^G (S_c x) + Σ_j w_j (k_j·x) u_j for x ∈ {k, q}, never building S.
-  skip_flushing: flushing rows are left to the fold-and-step pass (``_flush_rows_kernel``): no
-  output, nothing appended."""
+                        *, scale, group, block_v, block_k, ring_size):
+  """Output-only step: S_{t-1} x = e^G (S_c x) + Σ_j w_j (k_j·x) u_j for x ∈ {k, q}, never building S."""
   vt, hk, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = slots_ref[b]
-  live = (s >= 0) & (flush_ref[b] == 0) if skip_flushing else s >= 0
   tile = pl.ds(vt * block_v, block_v)
   # K is walked in chunks of block_k (static loop) so only a [BV, block_k] tile is live at once.
   chunks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[-1] // block_k)]
@@ -256,7 +206,7 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, flush_ref, q_ref, k_ref,
     for i in range(group):
       o_ref[b, hk * group + i, tile] = jnp.zeros((block_v,), o_ref.dtype)
 
-  @pl.when(live)
+  @pl.when(s >= 0)
   def _():
     base, count = base_ref[b], count_ref[b]
     put = (base + count) % ring_size                              # token 0's ring index
@@ -340,39 +290,17 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
     o, bufs = reconstruct(*(x[:, None] for x in (q, k, v, g, beta)), bufs, plan,
                           jnp.ones((batch,), jnp.int32), scale=scale, cfg=step, interpret=interpret)
     return o[:, 0], bufs
-  split = cfg.flush_step is not None
   kernel = functools.partial(_replay_step_kernel, scale=scale, group=hv // hk, block_v=step.block_v,
-                             block_k=step.block_k, ring_size=bufs.ring_size, skip_flushing=split)
+                             block_k=step.block_k, ring_size=bufs.ring_size)
   o, ring_k, ring_u, ring_g = _pallas(
-      kernel, (plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), q, k, v, g, beta,
+      kernel, (plan.slots, plan.base, plan.count, q, k, v, g, beta,
                bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
       grid=(vd // step.block_v, hk, batch),
       out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
       + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.ring_k, bufs.ring_u, bufs.ring_g)],
-      aliases={10: 1, 11: 2, 12: 3}, cfg=step, name="replayssm_gdn_replay_step", interpret=interpret)
+      aliases={9: 1, 10: 2, 11: 3}, cfg=step, name="replayssm_gdn_replay_step", interpret=interpret)
   bufs = bufs.replace(ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
-  if split:
-    return _flush_rows(q, k, v, g, beta, bufs, plan, o, scale=scale, cfg=cfg, interpret=interpret)
   return o, fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
-
-
-def _flush_rows(q, k, v, g, beta, bufs, plan, o, *, scale, cfg, interpret):
-  """The fold-and-step pass over the flushing rows, compacted (``_flush_rows_kernel``, tile
-  ``cfg.flush_step``, ``cfg.fold_rows`` row slots): completes o and writes their checkpoints."""
-  hk, hv, vd = q.shape[1], bufs.num_v_heads, bufs.head_v_dim
-  tile = cfg.flush_step
-  kernel = functools.partial(_flush_rows_kernel, row_slots=cfg.fold_rows, scale=scale,
-                             group=hv // hk, block_v=tile.block_v, ring_size=bufs.ring_size)
-  num_rows = jnp.reshape(jnp.sum(plan.flush, dtype=jnp.int32), (1,))
-  buffers = (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)
-  o, *buffers = _pallas(
-      kernel, (fold_triton.compact_rows(plan.flush), num_rows, plan.slots, plan.base, plan.count,
-               q, k, v, g, beta, *buffers, o),
-      grid=(vd // tile.block_v, hv, cfg.fold_rows),
-      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (o, *buffers)],
-      aliases={14: 0, 10: 1, 11: 2, 12: 3, 13: 4}, cfg=tile, name="replayssm_gdn_flush_rows",
-      interpret=interpret)
-  return o, bufs.replace(**dict(zip(("state", "ring_k", "ring_u", "ring_g"), buffers)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
@@ -454,23 +382,9 @@ def decode(q, k, v, g, beta, pool, slots, *, scale, block_v=None, num_warps=None
                  interpret=common.interpret_mode())
 
 
-def _flush_step_knobs(op, table_tile, head_v_dim, head_k_dim, block_v, num_warps):
-  """The fold-and-step pass's tile after overrides: ``block_v`` 0 turns the pass off (the fold
-  pass serves the flushing rows), a power of two turns it on with that [block_v, K] tile."""
-  if block_v is None and num_warps is None:
-    return table_tile
-  if block_v == 0:
-    return None
-  if block_v is not None and (not isinstance(block_v, int) or block_v < 0):
-    raise ValueError(f"flush_block_v={block_v!r}; expected 0 (the fold pass) or a power of two")
-  tile = table_tile or config_lib.KernelConfig(block_v=block_v or 32, num_warps=num_warps or 2)
-  return _knobs(op, tile, head_v_dim, head_k_dim, block_v=block_v or None, num_warps=num_warps)
-
-
 def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, route="auto", block_v=None,
                 block_k=None, num_warps=None, num_stages=None, fold_block_v=None,
-                fold_block_k=None, fold_num_warps=None, fold_rows=None, fold_tiles=None,
-                flush_block_v=None, flush_num_warps=None):
+                fold_block_k=None, fold_num_warps=None, fold_rows=None, fold_tiles=None):
   common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)
   cfg = config_lib.replay_config(
       device_kind=common.device_kind(), state_dtype=bufs.state.dtype, head_k_dim=bufs.head_k_dim,
@@ -481,26 +395,21 @@ def _replay_cfg(op, bufs: ReplayBuffers, batch, buffer_len, *, route="auto", blo
                 num_stages=num_stages)
   fold = _knobs(op, cfg.fold, vd, kd, block_v=fold_block_v, block_k=fold_block_k,
                 num_warps=fold_num_warps)
-  flush_step = _flush_step_knobs(op, cfg.flush_step, vd, kd, flush_block_v, flush_num_warps)
   return config_lib.ReplayConfig(step=step, route=cfg.route, fold=fold,
                                  fold_rows=cfg.fold_rows if fold_rows is None else int(fold_rows),
-                                 fold_tiles=cfg.fold_tiles if fold_tiles is None else fold_tiles,
-                                 flush_step=flush_step)
+                                 fold_tiles=cfg.fold_tiles if fold_tiles is None else fold_tiles)
 
 
 def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, scale, route="auto",
                   block_v=None, block_k=None, num_warps=None, num_stages=None, fold_block_v=None,
-                  fold_block_k=None, fold_num_warps=None, fold_rows=None, fold_tiles=None,
-                  flush_block_v=None, flush_num_warps=None):
-  """ReplaySSM GDN decode (one token per row): step pass, then the flushing rows' pass.
+                  fold_block_k=None, fold_num_warps=None, fold_rows=None, fold_tiles=None):
+  """ReplaySSM GDN decode (one token per row): step pass, then the flush-fold pass.
 
   ``block_v``/``block_k``/``num_warps``/``num_stages`` override the step kernel's config
   (``block_k``, the K chunk, applies to the output-only route), ``fold_block_v`` /
   ``fold_block_k`` / ``fold_num_warps`` the fold pass's, ``fold_rows`` its number of row slots,
-  ``fold_tiles`` its [fold_block_v, fold_block_k] tiles per program (a power of two);
-  ``flush_block_v`` / ``flush_num_warps`` the fold-and-step pass's [BV, K] tile (output-only
-  route; ``flush_block_v=0`` serves the flushing rows by the fold pass instead, see
-  ``config.ReplayConfig``). Returns (o [B, Hv, V] in v.dtype, bufs).
+  ``fold_tiles`` its [fold_block_v, fold_block_k] tiles per program (a power of two).
+  Returns (o [B, Hv, V] in v.dtype, bufs).
   """
   op = "gdn.replay_decode[pallas_triton]"
   if plan.num_tokens != 1:
@@ -521,8 +430,7 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
   cfg = _replay_cfg(op, bufs, q.shape[0], plan.buffer_len, route=route, block_v=block_v,
                     block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                     fold_block_v=fold_block_v, fold_block_k=fold_block_k,
-                    fold_num_warps=fold_num_warps, fold_rows=fold_rows, fold_tiles=fold_tiles,
-                    flush_block_v=flush_block_v, flush_num_warps=flush_num_warps)
+                    fold_num_warps=fold_num_warps, fold_rows=fold_rows, fold_tiles=fold_tiles)
   return _replay_decode(q, k, v, g, beta, bufs, plan, scale=float(scale), cfg=cfg,
                         interpret=common.interpret_mode())
 

@@ -144,14 +144,10 @@ def _decode_kernel(*refs, names, group, block_p, softplus):
     r["pool_out"][s, h, tile, :] = S.astype(r["pool_out"].dtype)
 
 
-def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, route, softplus,
-                   skip_flushing):
-  """The replay step; skip_flushing (output-only route): flushing rows are left to the
-  fold-and-step pass (``_flush_rows_kernel``): no output, nothing appended."""
+def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, route, softplus):
   r = dict(zip(names, refs))
   pt, hb, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = r["slots"][b]
-  live = (s >= 0) & (r["flush"][b] == 0) if skip_flushing else s >= 0
   tile = pl.ds(pt * block_p, block_p)
   h0 = hb * heads                       # this program's heads h0 .. h0 + heads - 1, one group
   g = h0 // group
@@ -161,7 +157,7 @@ def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, rout
     for i in range(heads):
       r["y_out"][b, h0 + i, tile] = jnp.zeros((block_p,), r["y_out"].dtype)
 
-  @pl.when(live)
+  @pl.when(s >= 0)
   def _():
     base, count, flush = r["base"][b], r["count"][b], r["flush"][b] != 0
     put = (base + count) % ring_size                                # this token's ring index
@@ -197,76 +193,35 @@ def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, rout
       r["ring_B_out"][s, g, put, :] = Bt.astype(r["ring_B_out"].dtype)
 
 
-def _fold_and_step(r, b, s, pt, h, *, group, block_p, block_n, ring_size, softplus, append):
-  """Live row b (slot s), head h, P tile pt: S_t = a S_{t-1} + Δx_t B_tᵀ with S_{t-1} rebuilt from
-  the checkpoint and the window (chunk by chunk; an empty window reads the checkpoint tile whole,
-  the conventional decode), written to the checkpoint with y. append: also put the token into
-  the ring at ``base + count``, as the step kernel does for every other row (the commit of a
-  flushing row moves base past it, so the entry only keeps the buffers alike across
-  implementations)."""
-  base, count = r["base"][b], r["count"][b]
+def _flush_decode_kernel(*refs, names, group, block_p, block_n, ring_size, softplus):
+  """Every live row flushes (``plan.flush_all``, the small-batch policy), grid (P/BP, H, B): the
+  checkpoint tile steps once and is written back. After one such step every window is empty (the
+  commit moves base past the token, which is therefore never appended to the ring), so the steady
+  state is the conventional decode; a row arriving with a window rebuilds S_{t-1} chunk by chunk."""
+  r = dict(zip(names, refs))
+  pt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s, count = r["slots"][b], r["count"][b]
   tile = pl.ds(pt * block_p, block_p)
   g = h // group
-  dA, dx = _token(r, (b,), h, tile, softplus)
 
-  @pl.when(count == 0)
+  @pl.when(s < 0)
   def _():
+    r["y_out"][b, h, tile] = jnp.zeros((block_p,), r["y_out"].dtype)
+
+  @pl.when((s >= 0) & (count == 0))
+  def _():
+    dA, dx = _token(r, (b,), h, tile, softplus)
     S, y = _decode_step(r, (b,), g, r["state"][s, h, tile, :].astype(f32), dA, dx)
     r["y_out"][b, h, tile] = _finish(r, y, (b,), h, tile)
     r["state_out"][s, h, tile, :] = S.astype(r["state_out"].dtype)
 
-  @pl.when(count > 0)
+  @pl.when((s >= 0) & (count > 0))
   def _():
-    window = _window(r, s, h, base, count, ring_size)
+    dA, dx = _token(r, (b,), h, tile, softplus)
+    window = _window(r, s, h, r["base"][b], count, ring_size)
     y = _stepped_readout(r, b, s, h, g, tile, window, dA, dx, block_n=block_n,
                          ring_size=ring_size, store=True)
     r["y_out"][b, h, tile] = _finish(r, y, (b,), h, tile)
-
-  if append:
-    put = (base + count) % ring_size
-    r["ring_x_out"][s, h, put, tile] = dx.astype(r["ring_x_out"].dtype)
-
-    @pl.when(pt == 0)  # ΔA is per head, B per group: one program appends each
-    def _():
-      r["ring_a_out"][s, h, put] = dA
-
-      @pl.when(h % group == 0)
-      def _():
-        r["ring_B_out"][s, g, put, :] = r["B"][b, g, :].astype(r["ring_B_out"].dtype)
-
-
-def _flush_decode_kernel(*refs, names, block_p, **static):
-  """Every live row flushes (``plan.flush_all``, the small-batch policy), grid (P/BP, H, B):
-  ``_fold_and_step`` on every live row, nothing appended. After one such step every window is
-  empty (the commit moves base past the token), so the steady state is the conventional decode;
-  a row arriving with a window rebuilds S_{t-1} chunk by chunk."""
-  r = dict(zip(names, refs))
-  pt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  s = r["slots"][b]
-
-  @pl.when(s < 0)
-  def _():
-    r["y_out"][b, h, pl.ds(pt * block_p, block_p)] = jnp.zeros((block_p,), r["y_out"].dtype)
-
-  @pl.when(s >= 0)
-  def _():
-    _fold_and_step(r, b, s, pt, h, block_p=block_p, append=False, **static)
-
-
-def _flush_rows_kernel(*refs, names, row_slots, **static):
-  """The flushing rows of an output-only replay step, compacted (``rows[:num_rows]``), grid
-  (P/BP, H, row_slots): program (pt, h, z) runs ``_fold_and_step`` on rows ``rows[z],
-  rows[z + row_slots], …``. Their y rows complete the step's output (aliased: the step kernel
-  skipped them), so each flushing row's checkpoint is read once per step, by this pass."""
-  r = dict(zip(names, refs))
-  pt, h, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-
-  def one_row(i, carry):
-    b = r["rows"][z + i * row_slots]
-    _fold_and_step(r, b, r["slots"][b], pt, h, append=True, **static)
-    return carry
-
-  lax.fori_loop(0, (r["num_rows"][0] - z + row_slots - 1) // row_slots, one_row, 0)
 
 
 def _materialize_kernel(*refs, names, group, block_p, block_n, ring_size):
@@ -333,10 +288,9 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
   """The step launch; on the output-only route then the fold pass over the flushing rows."""
   batch, h, p = x.shape
   step = cfg.step
-  split = cfg.route == "output_only" and cfg.flush_step is not None
   kernel = functools.partial(_replay_kernel, group=h // bufs.num_groups, heads=step.heads,
                              block_p=step.block_p, block_n=step.block_n, ring_size=bufs.ring_size,
-                             route=cfg.route, softplus=dt_softplus, skip_flushing=split)
+                             route=cfg.route, softplus=dt_softplus)
   buffers = {"state": bufs.state, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
   out = _pallas(kernel,
                 {"slots": plan.slots, "base": plan.base, "count": plan.count,
@@ -347,31 +301,7 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
                 grid=(p // step.block_p, h // step.heads, batch), cfg=step,
                 name="replayssm_mamba2_replay_step", interpret=interpret)
   bufs = bufs.replace(**{k: out[k + "_out"] for k in buffers})
-  if split:
-    return _flush_rows(x, dt, A, B, C, bufs, plan, D, z, dt_bias, out["y_out"],
-                       dt_softplus=dt_softplus, cfg=cfg, interpret=interpret)
   return out["y_out"], fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
-
-
-def _flush_rows(x, dt, A, B, C, bufs, plan, D, z, dt_bias, y, *, dt_softplus, cfg, interpret):
-  """The fold-and-step pass over the flushing rows, compacted (``_flush_rows_kernel``, tile
-  ``cfg.flush_step``, ``cfg.fold_rows`` row slots): completes y and writes their checkpoints."""
-  h, p = x.shape[1:]
-  tile = cfg.flush_step
-  kernel = functools.partial(_flush_rows_kernel, row_slots=cfg.fold_rows, group=h // bufs.num_groups,
-                             block_p=tile.block_p, block_n=tile.block_n, ring_size=bufs.ring_size,
-                             softplus=dt_softplus)
-  buffers = {"state": bufs.state, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
-  num_rows = jnp.reshape(jnp.sum(plan.flush, dtype=jnp.int32), (1,))
-  out = _pallas(kernel,
-                {"rows": fold_triton.compact_rows(plan.flush), "num_rows": num_rows,
-                 "slots": plan.slots, "base": plan.base, "count": plan.count,
-                 **_step_inputs(x, dt, A, B, C, D, z, dt_bias), **buffers, "y": y},
-                {"y_out": y, **{k + "_out": v for k, v in buffers.items()}},
-                {"y": "y_out", **{k: k + "_out" for k in buffers}},
-                grid=(p // tile.block_p, h, cfg.fold_rows), cfg=tile,
-                name="replayssm_mamba2_flush_rows", interpret=interpret)
-  return out["y_out"], bufs.replace(**{k: out[k + "_out"] for k in buffers})
 
 
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
@@ -453,18 +383,14 @@ def decode(x, dt, A, B, C, pool, slots, *, D, z, dt_bias, dt_softplus, block_p=N
 def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z, dt_bias,
                   dt_softplus, route="auto", block_p=None, block_n=None, heads=None, num_warps=None,
                   num_stages=None, fold_block_p=None, fold_block_n=None, fold_num_warps=None,
-                  fold_rows=None, fold_tiles=None, flush_block_p=None, flush_block_n=None,
-                  flush_num_warps=None):
+                  fold_rows=None, fold_tiles=None):
   """ReplaySSM Mamba2 decode (one token per row): the step launch, then (output-only route) the
-  flushing rows' pass (``config.Mamba2ReplayConfig``).
+  fold pass over the flushing rows.
 
   ``block_p`` (P rows per program), ``block_n`` (N chunk of the rebuild), ``heads`` (heads per
   program), ``num_warps`` and ``num_stages`` override the step's config; ``fold_block_p`` /
   ``fold_block_n`` / ``fold_num_warps`` the fold pass's tile and warps, ``fold_rows`` its row
-  slots, ``fold_tiles`` its tiles per program (a power of two); ``flush_block_p`` /
-  ``flush_block_n`` / ``flush_num_warps`` the fold-and-step pass's [BP, N] tile, rebuild chunk
-  and warps (``flush_block_p=0``: the fold pass serves the flushing rows instead). Returns
-  (y [B, H, P], bufs).
+  slots, ``fold_tiles`` its tiles per program (a power of two). Returns (y [B, H, P], bufs).
   """
   op = "mamba2.replay_decode[pallas_triton]"
   if plan.num_tokens != 1:
@@ -493,9 +419,7 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   step = _fit(op, cfg.step, p, n, h // bufs.num_groups, block_p=block_p, block_n=block_n,
               heads=heads, num_warps=num_warps, num_stages=num_stages)
   cfg = dataclasses.replace(cfg, step=step, **_fold_knobs(op, cfg, p, n, fold_block_p, fold_block_n,
-                                                          fold_num_warps, fold_rows, fold_tiles),
-                            **_flush_step_knobs(op, cfg, p, n, flush_block_p, flush_block_n,
-                                                flush_num_warps))
+                                                          fold_num_warps, fold_rows, fold_tiles))
   return _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, dt_softplus=dt_softplus,
                         cfg=cfg, interpret=common.interpret_mode())
 
@@ -512,20 +436,6 @@ def _fold_knobs(op, cfg, head_dim, state_dim, block_p, block_n, num_warps, rows,
     raise ValueError(f"fold_rows={rows!r}; expected an int >= 1")
   return {"fold": fold, "fold_rows": cfg.fold_rows if rows is None else rows,
           "fold_tiles": cfg.fold_tiles if tiles is None else tiles}
-
-
-def _flush_step_knobs(op, cfg, head_dim, state_dim, block_p, block_n, num_warps) -> dict:
-  """The fold-and-step pass's overrides: ``block_p`` 0 turns the pass off (the fold pass serves
-  the flushing rows), a power of two or any other knob turns it on (output-only route only)."""
-  if cfg.route != "output_only" or (block_p, block_n, num_warps) == (None, None, None):
-    return {}
-  if block_p == 0:
-    return {"flush_step": None}
-  if block_p is not None and (not isinstance(block_p, int) or block_p < 0):
-    raise ValueError(f"flush_block_p={block_p!r}; expected 0 (the fold pass) or a power of two")
-  tile = cfg.flush_step or config_lib.Mamba2Config(block_p=32, num_warps=2, block_n=32)
-  return {"flush_step": _fit(op, tile, head_dim, state_dim, block_p=block_p or None,
-                             block_n=block_n, num_warps=num_warps)}
 
 
 def materialize(bufs: ReplayBuffers, slots, base, length, *, block_p=None, block_n=None,
