@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import functools
 import tempfile
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +105,19 @@ def trace_kernels(call, carry, steps: int) -> list[dict]:
     return model_trace.kernel_times(model_trace.trace_events(tdir), steps)
 
 
-def measure(cfg, *, batch, arm, knobs, reps, rep_seconds, trace_steps=0):
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One batch's layer, input and gate references, built once for all its arms and configs:
+  ``ref`` the float32 layer at HIGHEST precision, ``xla`` the xla arm's output (float64 copies)."""
+  graphdef: Any
+  state: Any
+  x: jax.Array
+  experts_hit: int
+  ref: np.ndarray
+  xla: np.ndarray
+
+
+def make_case(cfg, batch) -> Case:
   layer = moe_lib.MoE(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(layer)
   x = common.hash_normal(1, (batch, cfg.hidden_size)).astype(cfg.dtype)
@@ -113,17 +126,22 @@ def measure(cfg, *, batch, arm, knobs, reps, rep_seconds, trace_steps=0):
   ref_layer = nnx.merge(ref_graph, jax.tree.map(lambda a: a.astype(jnp.float32), state))
   with jax.default_matmul_precision("highest"):
     ref = np.asarray(ref_layer(x.astype(jnp.float32), implementation="xla"), np.float64)
+  xla = np.asarray(_forward(graphdef, state, x, "xla", ()).astype(jnp.float32), np.float64)
+  return Case(graphdef, state, x, hit, ref, xla)
+
+
+def measure(cfg, case: Case, *, arm, knobs, reps, rep_seconds, trace_steps=0):
+  graphdef, state, x = case.graphdef, case.state, case.x
   rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
   out = np.asarray(_forward(graphdef, state, x, arm, knobs).astype(jnp.float32), np.float64)
-  xla = np.asarray(_forward(graphdef, state, x, "xla", ()).astype(jnp.float32), np.float64)
-  errs = {"vs_f32": rel(out, ref), "vs_xla": rel(out, xla)}
+  errs = {"vs_f32": rel(out, case.ref), "vs_xla": rel(out, case.xla)}
   call = lambda carry, n: _run(graphdef, state, carry, np.int32(n), arm=arm, knobs=knobs)
   kernels = trace_kernels(call, jnp.array(x, copy=True), trace_steps) if trace_steps else None
-  _, timing = common.time_loop(call, x, reps=reps, rep_seconds=rep_seconds)
+  _, timing = common.time_loop(call, jnp.array(x, copy=True), reps=reps, rep_seconds=rep_seconds)
   stats = timing.ms_per(1)
-  moved = weight_bytes(cfg, hit)
+  moved = weight_bytes(cfg, case.experts_hit)
   return {"median_ms": stats["median_ms"], "p20_ms": stats["p20_ms"], "p80_ms": stats["p80_ms"],
-          "n_cycles": stats["n_cycles"], "experts_hit": hit, "weight_bytes": moved,
+          "n_cycles": stats["n_cycles"], "experts_hit": case.experts_hit, "weight_bytes": moved,
           "gbps": moved / (stats["median_ms"] * 1e-3) / 1e9, "gate_rel_l2": errs,
           "gate": "ok" if errs["vs_xla"] < GATE_TOL else "FAILED", "kernels": kernels}
 
@@ -155,10 +173,12 @@ def main(argv=None) -> dict:
   result = {"meta": common.run_metadata(argv, "bench.moe_decode"), "copy_ceiling": ceiling,
             "layer": {**dataclasses.asdict(cfg), "dtype": cfg.dtype.name}, "rows": rows}
   for batch in batches:
+    case = None
     for arm in arms:
       for cname, knobs in (configs if arm == "pallas_triton" else [("-", ())]):
         try:
-          r = measure(cfg, batch=batch, arm=arm, knobs=knobs, reps=reps, rep_seconds=rep_seconds,
+          case = case or make_case(cfg, batch)
+          r = measure(cfg, case, arm=arm, knobs=knobs, reps=reps, rep_seconds=rep_seconds,
                       trace_steps=args.trace_steps if args.trace else 0)
         except jax.errors.JaxRuntimeError as e:   # e.g. XLA's ragged_dot autotuner out of memory
           error = str(e).strip().splitlines()[0][:300]

@@ -834,12 +834,15 @@ def test_moe_decode_smoke_gates_and_times_both_arms(tmp_path, monkeypatch):
   # a row that fails on the device is recorded with its error and the run goes on
   real_measure = moe_decode.measure
 
-  def failing(cfg, *, arm, **kw):
+  def failing(cfg, case, *, arm, **kw):
     if arm == "xla":
       raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
-    return real_measure(cfg, arm=arm, **kw)
+    return real_measure(cfg, case, arm=arm, **kw)
+  real_case, cases = moe_decode.make_case, []
   monkeypatch.setattr(moe_decode, "measure", failing)
+  monkeypatch.setattr(moe_decode, "make_case", lambda *a: cases.append(a) or real_case(*a))
   moe_decode.main(argv)
+  assert len(cases) == 1        # the layer and gate references are built once per batch
   rows = json.loads(out.read_text())["rows"]
   assert rows[0] == {"batch": 4, "arm": "xla", "config": "-",
                      "error": "RESOURCE_EXHAUSTED: Out of memory"}

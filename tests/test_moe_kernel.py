@@ -158,9 +158,16 @@ def test_lowers_for_h200_at_qwen3_next_shapes(rows):
 
 
 @pytest.mark.gpu
-def test_compiled_kernel_matches_float64():
+@pytest.mark.parametrize("rows", [2560, 10240])   # the decode tile and, from 10240 rows, the prefill tile
+def test_compiled_kernel_matches_float64(rows):
+  """Group sizes skewed (a Dirichlet draw: some groups empty, some holding many tiles), both
+  dtypes, the launch table's tile for that many rows."""
+  from replayssm_jax import config   # noqa: PLC0415
+  block_m = config.grouped_matmul_config(device_kind=jax.devices()[0].device_kind, rows=rows).block_m
+  assert block_m == (32 if rows >= 10240 else 16)
+  sizes = RNG.multinomial(rows, RNG.dirichlet(np.full(64, 0.3)))
   for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
-    x, w, s = _case(2560, 256, 128, RNG.multinomial(2560, np.ones(64) / 64), dtype)
+    x, w, s = _case(rows, 256, 128, sizes, dtype)
     out = moe_triton.grouped_matmul(x, w, s, preferred_element_type=jnp.float32)
     ref = _reference(x, w, s)
     assert np.max(np.abs(np.asarray(out) - ref)) <= tol * np.max(np.abs(ref)), dtype
