@@ -173,17 +173,26 @@ def main(argv=None) -> dict:
   result = {"meta": common.run_metadata(argv, "bench.moe_decode"), "copy_ceiling": ceiling,
             "layer": {**dataclasses.asdict(cfg), "dtype": cfg.dtype.name}, "rows": rows}
   for batch in batches:
-    case = None
+    case, case_error = None, None
     for arm in arms:
       for cname, knobs in (configs if arm == "pallas_triton" else [("-", ())]):
         try:
-          case = case or make_case(cfg, batch)
+          if case_error is not None:   # the references failed once: every row of this batch fails
+            raise case_error
+          if case is None:
+            try:
+              case = make_case(cfg, batch)
+            except jax.errors.JaxRuntimeError as e:
+              case_error = e
+              raise
           r = measure(cfg, case, arm=arm, knobs=knobs, reps=reps, rep_seconds=rep_seconds,
                       trace_steps=args.trace_steps if args.trace else 0)
         except jax.errors.JaxRuntimeError as e:   # e.g. XLA's ragged_dot autotuner out of memory
           error = str(e).strip().splitlines()[0][:300]
           rows.append({"batch": batch, "arm": arm, "config": cname, "error": error})
           common.log(f"B={batch} {arm} {cname}: failed: {error}")
+          if args.out_json:
+            common.write_json(args.out_json, result)
           continue
         r.update(batch=batch, arm=arm, config=cname)
         if ceiling:

@@ -847,6 +847,17 @@ def test_moe_decode_smoke_gates_and_times_both_arms(tmp_path, monkeypatch):
   assert rows[0] == {"batch": 4, "arm": "xla", "config": "-",
                      "error": "RESOURCE_EXHAUSTED: Out of memory"}
   assert [r["gate"] for r in rows[1:]] == ["ok", "ok"]
+  # references that fail fail every row of their batch, tried once
+  cases.clear()
+
+  def no_case(*a):
+    cases.append(a)
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+  monkeypatch.setattr(moe_decode, "make_case", no_case)
+  moe_decode.main(argv)
+  assert len(cases) == 1
+  assert [r.get("error") for r in json.loads(out.read_text())["rows"]] == [
+      "RESOURCE_EXHAUSTED: Out of memory"] * 3
   monkeypatch.undo()
 
   real = moe_triton.grouped_matmul
