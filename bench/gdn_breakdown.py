@@ -6,8 +6,10 @@ over P rotating layer pools like bench.gdn_decode. With ``--tokens T`` (T ≥ 2)
 ``replay_verify``: fused and split step kernels with and without flushing rows, the readout
 launch, the fold pass at the verify ring size, and the conventional speculative verify. The
 decode breakdown also times the read-only floor of any output-only step: each row's checkpoint
-read once per step and reduced against q (no ring, no store), as a Pallas-Triton stream of
-[BV, K] tiles per value head at ``--stream-configs`` and as an XLA reduce fusion. Run on a GPU:
+read once per step (no ring, no store), as an XLA reduce fusion against q and as Pallas-Triton
+streams of [BV, K] tiles at ``--stream-configs`` in two patterns: ``readout`` (one value head per
+program, reduced against q) and ``step`` (the replay step's reads: the r value heads of a key head
+per program, each tile reduced against q and k). Run on a GPU:
 
     python -m bench.gdn_breakdown --batch 256 --buffer-len 16 --state-dtype float32
     python -m bench.gdn_breakdown --batch 256 --buffer-len 16 --tokens 4 --config bv32w4
@@ -76,30 +78,40 @@ def _time(fn, carry, label, rows, nbytes=None):
   common.log(f"{label}: {s['median_ms']:.4f} ms per layer-step")
 
 
-def _stream_kernel(slots_ref, q_ref, state_ref, o_ref, *, group, block_v):
-  """o[b, h, tile] = S_c[slot, h, tile, :] · q[b, h // group]: the checkpoint bytes alone."""
-  vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _stream_kernel(slots_ref, q_ref, k_ref, state_ref, o_ref, *, group, block_v, pattern):
+  """The checkpoint bytes alone. ``readout``: grid (V/BV, Hv, B), o[b, h, tile] = S_c[slot, h,
+  tile, :] · q[b, h // group]. ``step``: the replay step's read pattern, grid (V/BV, Hk, B), the
+  ``group`` value heads of a key head per program, each tile reduced against q and k (two
+  readouts, o = S·q + S·k/2 so neither is dead)."""
+  vt, hp, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   tile = pl.ds(vt * block_v, block_v)
-  S = state_ref[slots_ref[b], h, tile, :].astype(jnp.float32)
-  o_ref[b, h, tile] = jnp.sum(S * q_ref[b, h // group, :].astype(jnp.float32)[None, :], axis=1)
+  heads = [hp] if pattern == "readout" else [hp * group + i for i in range(group)]
+  for h in heads:
+    S = state_ref[slots_ref[b], h, tile, :].astype(jnp.float32)
+    o = jnp.sum(S * q_ref[b, h // group, :].astype(jnp.float32)[None, :], axis=1)
+    if pattern == "step":
+      o = o + 0.5 * jnp.sum(S * k_ref[b, h // group, :].astype(jnp.float32)[None, :], axis=1)
+    o_ref[b, h, tile] = o
 
 
-def stream_readout(q, state, slots, *, block_v, num_warps):
-  """o [B, Hv, V] = S_c[slots] · q per value head (f32), by the read-only Pallas-Triton stream."""
-  kernel = functools.partial(_stream_kernel, group=HV // HK, block_v=block_v)
+def stream_readout(q, k, state, slots, *, block_v, num_warps, pattern="readout"):
+  """o [B, Hv, V] = S_c[slots] · q per value head (f32; ``pattern="step"`` adds S_c·k / 2), by a
+  read-only Pallas-Triton stream."""
+  kernel = functools.partial(_stream_kernel, group=HV // HK, block_v=block_v, pattern=pattern)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  return pl.pallas_call(kernel, grid=(VD // block_v, HV, slots.shape[0]), in_specs=[any_spec] * 3,
+  return pl.pallas_call(kernel, grid=(VD // block_v, HV if pattern == "readout" else HK,
+                                      slots.shape[0]), in_specs=[any_spec] * 4,
                         out_specs=any_spec, interpret=INTERPRET,
                         out_shape=jax.ShapeDtypeStruct((slots.shape[0], HV, VD), jnp.float32),
                         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-                        )(slots, q, state)
+                        )(slots, q, k, state)
 
 
-def stream_pass(q, *, block_v, num_warps):
+def stream_pass(q, k, *, block_v, num_warps, pattern):
   """The read-only stream as a pass ``fn(bufs, slots)``; o is fed back into one state element
   (neither dead code nor loop-invariant)."""
   def fn(b, slots):
-    o = stream_readout(q, b.state, slots, block_v=block_v, num_warps=num_warps)
+    o = stream_readout(q, k, b.state, slots, block_v=block_v, num_warps=num_warps, pattern=pattern)
     return b.replace(state=b.state.at[0, 0, 0, 0].set(o[-1, -1, -1].astype(b.state.dtype)))
   return fn
 
@@ -227,11 +239,13 @@ def main(argv=None):
             ("fold pass only, no active row", fold(False), None),
             ("conventional decode", conventional, None),
             ("checkpoint read only, XLA reduce", xla_stream_pass(xs[0], B), checkpoint_bytes)]
-  for name in filter(None, args.stream_configs.split(",")):
-    knobs = common.parse_config(name).kwargs()
-    passes.append((f"checkpoint read only, Triton {name}",
-                   stream_pass(xs[0], block_v=knobs.get("block_v", 16),
-                               num_warps=knobs.get("num_warps", 1)), checkpoint_bytes))
+  for pattern in ("readout", "step"):
+    for name in filter(None, args.stream_configs.split(",")):
+      knobs = common.parse_config(name).kwargs()
+      passes.append((f"checkpoint read only, Triton {name}, {pattern} pattern",
+                     stream_pass(xs[0], xs[1], block_v=knobs.get("block_v", 16),
+                                 num_warps=knobs.get("num_warps", 1), pattern=pattern),
+                     checkpoint_bytes))
   for label, fn, nbytes in passes:
     _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows,
           nbytes)

@@ -555,22 +555,28 @@ def test_gdn_breakdown_runs_each_pass():
   rows = gdn_breakdown.main(["--batch", "2", "--buffer-len", "2", "--layers", "1", "--config", "ft2",
                              "--reps", "1", "--rep-seconds", "0.001",
                              "--stream-configs", "bv8w1,bv64w2"])
-  assert len(rows) == 8 and all(float(r[1]) > 0 for r in rows)
-  assert [r[0] for r in rows[-3:]] == ["checkpoint read only, XLA reduce",
-                                       "checkpoint read only, Triton bv8w1",
-                                       "checkpoint read only, Triton bv64w2"]
+  assert len(rows) == 10 and all(float(r[1]) > 0 for r in rows)
+  assert [r[0] for r in rows[-5:]] == ["checkpoint read only, XLA reduce",
+                                       "checkpoint read only, Triton bv8w1, readout pattern",
+                                       "checkpoint read only, Triton bv64w2, readout pattern",
+                                       "checkpoint read only, Triton bv8w1, step pattern",
+                                       "checkpoint read only, Triton bv64w2, step pattern"]
 
 
 def test_gdn_breakdown_read_only_stream_reads_the_rows_checkpoints():
-  """The read-only floor's kernel computes S_c[slot] · q per value head (padding-free slots)."""
+  """The read-only floor's kernels compute S_c[slot] · q per value head (``readout``) and
+  S_c[slot] · (q + k/2) per value head in the step's program layout (``step``)."""
   from bench import gdn_breakdown as gb  # noqa: PLC0415
   state = jax.random.normal(jax.random.key(0), (5, gb.HV, gb.VD, gb.KD), jnp.float32)
   q = jax.random.normal(jax.random.key(1), (3, gb.HK, gb.KD), jnp.float32)
+  k = jax.random.normal(jax.random.key(2), (3, gb.HK, gb.KD), jnp.float32)
   slots = jnp.array([4, 0, 2], jnp.int32)
-  qv = jnp.repeat(q, gb.HV // gb.HK, axis=1)
-  want = jnp.einsum("bhvk,bhk->bhv", state[slots], qv, precision="highest")
-  got = gb.stream_readout(q, state, slots, block_v=32, num_warps=1)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+  rep = lambda x: jnp.repeat(x, gb.HV // gb.HK, axis=1)
+  for pattern, x in (("readout", q), ("step", q + 0.5 * k)):
+    want = jnp.einsum("bhvk,bhk->bhv", state[slots], rep(x), precision="highest")
+    got = gb.stream_readout(q, k, state, slots, block_v=32, num_warps=1, pattern=pattern)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4,
+                               err_msg=pattern)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -866,3 +872,25 @@ def test_moe_decode_smoke_gates_and_times_both_arms(tmp_path, monkeypatch):
                    "--out-json", str(out)])
   row, = json.loads(out.read_text())["rows"]
   assert row["gate"] == "FAILED"
+
+
+def test_read_stream_table_and_skip(tmp_path):
+  """bench.read_stream: the best launch per arm against the copy; no torch or GPU: a skipped run."""
+  from bench import read_stream  # noqa: PLC0415
+  row = lambda arm, gbps, **kn: {"arm": arm, **kn, "median_ms": 1.0, "p20_ms": 1.0, "p80_ms": 1.0,
+                                 "gbps": gbps}
+  rows = [row("copy", 4000.0), row("sum", 4200.0, block=2048, warps=8),
+          row("sum", 3000.0, block=8192, warps=2)]
+  rows += [row(m, g, block_v=64, heads=2, warps=2) for m, g in
+           (("tile sum", 4100.0), ("readout", 3900.0), ("two readouts", 3500.0))]
+  lines = read_stream.table(rows).splitlines()
+  assert "block=2048, warps=8" in lines[3] and lines[3].split()[-2:] == ["105", "3000"]
+  assert lines[-1].split()[:2] == ["two", "readouts"]
+  try:
+    import torch  # noqa: F401, PLC0415
+    has_cuda = torch.cuda.is_available()
+  except ImportError:
+    has_cuda = False
+  if not has_cuda:
+    out = read_stream.main(["--out-json", str(tmp_path / "r.json")])
+    assert out["skipped"] and out["rows"] == [] and (tmp_path / "r.json").exists()
