@@ -107,15 +107,6 @@ def require_triton_addressable(op: str, **operands) -> None:
         f"to fall back automatically)")
 
 
-def load_streamed(ref, where="step"):
-  """A checkpoint tile read once per launch: evict-first from L2 where ``$RS_EVICT`` names
-  ``where`` ("step", "fold") or is "all" (an experiment switch)."""
-  import os
-  if os.environ.get("RS_EVICT") in (where, "all"):
-    return plt.load(ref, eviction_policy="evict_first")
-  return ref[...]
-
-
 def load_window(ref, inside_rows):
   """Masked float32 load of a ring tile [R, X]: rows outside the window are never read (zeros).
 

@@ -116,7 +116,7 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_
       w, total = window_decays(rg, base, length, ring_size)
       decay = jnp.exp(total)
       for tile, tile_k in tiles:
-        S = accumulate_window(decay * common.load_streamed(state_ref.at[s, h, tile, tile_k], "fold").astype(f32), w, inside,
+        S = accumulate_window(decay * state_ref[s, h, tile, tile_k].astype(f32), w, inside,
                               lambda rows, tile_k=tile_k: ring_k_ref.at[s, hk, rows, tile_k],
                               lambda rows, tile=tile: ring_u_ref.at[s, h, rows, tile], ring_size)
         out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)

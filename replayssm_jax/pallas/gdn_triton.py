@@ -227,7 +227,7 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
       # S x = e^G (S_c x) + Σ_j w_j (k_j·x) u_j, never building S.
       Sck, Scq = 0.0, 0.0
       for c, kc, qc in zip(chunks, ks, qs):
-        Sc = common.load_streamed(state_ref.at[s, h, tile, c]).astype(f32)                 # [BV, block_k]
+        Sc = state_ref[s, h, tile, c].astype(f32)                 # [BV, block_k]
         Sck = Sck + jnp.sum(Sc * kc[None, :], axis=1)
         Scq = Scq + jnp.sum(Sc * qc[None, :], axis=1)
       ru = common.load_window(ring_u_ref.at[s, h, :, tile], inside)   # [R, BV]

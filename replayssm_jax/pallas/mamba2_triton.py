@@ -174,7 +174,7 @@ def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, rout
       window = _window(r, s, h, base, count, ring_size)
       if route == "output_only":
         weights, total, inside = window
-        ScC = jnp.sum(common.load_streamed(r["state"].at[s, h, tile, :]).astype(f32) * C[None, :], axis=1)
+        ScC = jnp.sum(r["state"][s, h, tile, :].astype(f32) * C[None, :], axis=1)
         rx = common.load_window(r["ring_x"].at[s, h, :, tile], inside)    # [R, BP]
         SC = jnp.exp(total) * ScC + jnp.sum((weights * rBC)[:, None] * rx, axis=0)
         y = jnp.exp(dA) * SC + BtC * dx
