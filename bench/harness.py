@@ -58,7 +58,6 @@ ARMS = {a.name: a for a in (
     Arm("conv-pallas", "conv", "pallas_triton"),
     Arm("replay-pallas-oo", "replay", "pallas_triton", "output_only"),
     Arm("replay-pallas-rc", "replay", "pallas_triton", "reconstruct"),
-    Arm("replay-pallas-fused", "replay", "pallas_triton", "fused"),
     Arm("conv-xla", "conv", "xla"),
     Arm("replay-xla", "replay", "xla", "output_only"),
     Arm("replay-xla-rc", "replay", "xla", "reconstruct"),

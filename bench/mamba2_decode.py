@@ -10,8 +10,7 @@ activations, ring in bf16 (``--ring-dtype``), state float32 and/or bfloat16 (``-
 D, z gating, dt_bias and softplus are on, as in the model.
 
 Arms (``--arms``): ``conv-pallas`` (rs.mamba2.decode, pallas_triton), ``replay-pallas-oo`` /
-``replay-pallas-rc``, ``replay-pallas-fused`` (rs.mamba2.replay_decode, pallas_triton, route
-output_only / reconstruct / fused),
+``replay-pallas-rc`` (rs.mamba2.replay_decode, pallas_triton, route output_only / reconstruct),
 ``conv-xla``, ``replay-xla`` (route output_only). XLA arms run only at ``--xla-batches``.
 ``replay-pallas-flushall`` (not in the default set): every step ``cursor.plan(flush_all=True)``,
 the small-batch policy's plan, through the same replay kernel (every row takes its flush path).
@@ -75,8 +74,7 @@ class Geometry:
 
 NEMOTRON_SUPER = Geometry(h=128, g=8, p=64, n=128)
 SMOKE = Geometry(h=4, g=2, p=8, n=16)
-ARMS = harness.STANDARD_ARMS + ("replay-pallas-fused", "replay-pallas-flushall", "conv-mosaic",
-                               "replay-mosaic-rc")
+ARMS = harness.STANDARD_ARMS + ("replay-pallas-flushall", "conv-mosaic", "replay-mosaic-rc")
 DEFAULT_ARMS = harness.STANDARD_ARMS
 _KNOBS = {"block_v": "block_p", "block_k": "block_n", "num_warps": "num_warps",
           "num_stages": "num_stages", "fold_block_v": "fold_block_p", "fold_block_k": "fold_block_n",

@@ -221,7 +221,6 @@ H200 = DeviceTables(
     mamba2_replay_step=Table({
         "output_only": always(_m2(64, 2, 32, heads=4)),
         "reconstruct": always(_m2(32, 2, 32, heads=1)),
-        "fused": always(_m2(16, 1, None, heads=1)),
     }, source=("mamba2_decode_2026-12-03_step_fold_tiles.json",
                "mamba2_decode_2026-12-03_L16_tiles.json",
                "untuned (reconstruct): GDN's replay-step tile size")),
@@ -318,8 +317,7 @@ CPU = DeviceTables(
     mamba2_flush_block_n=Table({ANY: always(HALF_POW2)}, source=_INTERPRET),
     mamba2_replay_route=Table({"f32": always("output_only"), "bf16": always("output_only")},
                               source=_INTERPRET),
-    mamba2_replay_step=Table({"output_only": always(_CPU_M2), "reconstruct": always(_CPU_M2),
-                              "fused": always(_CPU_M2)},
+    mamba2_replay_step=Table({"output_only": always(_CPU_M2), "reconstruct": always(_CPU_M2)},
                              source=_INTERPRET),
     mamba2_fold=Table({ANY: always(None)}, source=_INTERPRET),
     mamba2_fold_tiles=Table({ANY: always(2)}, source=_INTERPRET),

@@ -13,8 +13,6 @@ import jax.numpy as jnp
 from replayssm_jax import _launch_tables as tables
 
 ROUTES = ("output_only", "reconstruct")
-# Mamba2 also has "fused": the output-only step whose flushing rows store S_t in the same launch.
-MAMBA2_ROUTES = ROUTES + ("fused",)
 SMALL_BATCH_FAMILIES = ("gdn", "mamba2")
 # At and below this batch the conventional and flush-every-step kernels take small-batch tiles.
 SMALL_TILE_MAX_BATCH = tables.SMALL_BATCH["batch"][1]
@@ -260,8 +258,8 @@ class Mamba2Config:
 class Mamba2ReplayConfig:
   """The replay step and its compute route; for the output-only route also the flush-fold pass
   (pallas/fold_triton.py: tile ``fold`` [block_v = P rows, block_k = N columns], ``fold_rows`` row
-  slots, ``fold_tiles`` tiles per program). The reconstruct and fused routes store flushing rows
-  in their own launch (``fold`` is None)."""
+  slots, ``fold_tiles`` tiles per program). The reconstruct route stores flushing rows in its own
+  launch (``fold`` is None)."""
   step: Mamba2Config
   route: str
   fold: KernelConfig | None = None
@@ -269,8 +267,8 @@ class Mamba2ReplayConfig:
   fold_tiles: int = 1
 
   def __post_init__(self):
-    if self.route not in MAMBA2_ROUTES:
-      raise ValueError(f"route={self.route!r}; expected one of {MAMBA2_ROUTES}")
+    if self.route not in ROUTES:
+      raise ValueError(f"route={self.route!r}; expected one of {ROUTES}")
     if self.route == "output_only" and self.fold is None:
       raise ValueError("route='output_only' needs a fold config (its flush pass)")
     if not isinstance(self.fold_rows, int) or self.fold_rows < 1:
@@ -311,11 +309,12 @@ def mamba2_replay_config(*, device_kind: str, state_dtype, head_dim: int, state_
   if route == "auto":
     route = _pick(device.mamba2_replay_route, _state(state_dtype), buffer_len=buffer_len,
                   batch=batch)
-  step = _pick(device.mamba2_replay_step, route)
+  step = _pick(device.mamba2_replay_step,
+               "output_only" if route == "output_only" else "reconstruct")
   cfg = _mamba2(step, head_dim, state_dim).fit(head_dim, state_dim, num_heads // num_groups)
   if _too_few_programs(device, batch * (num_heads // cfg.heads) * (head_dim // cfg.block_p)):
     cfg = cfg.override(heads=1)
-  if route in ("reconstruct", "fused"):
+  if route == "reconstruct":
     return Mamba2ReplayConfig(step=cfg, route=route)
   # Output-only: a separate fold pass over the flushing rows, as GDN (a fold branch inside the step
   # kernel costs every program occupancy).

@@ -64,11 +64,9 @@ def _run(route, state_dtype, buffer_len, steps, geometry=SUPER, seed=0, flush_al
   return errs
 
 
-@pytest.mark.parametrize("route,buffer_len", [("output_only", 4), ("reconstruct", 4), ("fused", 4),
-                                              ("fused", 16)])
-def test_compiled_replay_f32_matches_float64_oracle(route, buffer_len):
-  """L = 16 (R = 16) takes the fused route's flush through the window product."""
-  errs = _run(route, jnp.float32, buffer_len=buffer_len, steps=2 * buffer_len + 1)
+@pytest.mark.parametrize("route", ["output_only", "reconstruct"])
+def test_compiled_replay_f32_matches_float64_oracle(route):
+  errs = _run(route, jnp.float32, buffer_len=4, steps=9)
   # f32 throughout; a TF32 product anywhere would show errors near 1e-3.
   assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
   assert errs["conv"] < 5e-5, errs

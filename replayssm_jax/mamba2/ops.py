@@ -22,7 +22,7 @@ from replayssm_jax.mamba2 import reference
 from replayssm_jax.mamba2 import xla
 from replayssm_jax.mamba2.buffers import ReplayBuffers
 
-ROUTES = ("auto", "reconstruct", "output_only", "fused")
+ROUTES = ("auto", "reconstruct", "output_only")
 
 
 def _check_step_inputs(x, dt, A, B, C, D, z, dt_bias, *, num_heads, head_dim, state_dim):
@@ -115,10 +115,8 @@ def replay_decode(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
     x: [B, H, P]; dt: [B, H]; A: [H]; B, C: [B, G, N]; D, z, dt_bias, dt_softplus: as in ``decode``.
     bufs: mamba2.ReplayBuffers, updated in place under donation.
     plan: ReplayPlan from ``cursor.plan(slots)``.
-    route: "output_only" (S_t·C from checkpoint and ring, never build S; flushing rows folded by
-      a second pass), "fused" (the same step, flushing rows storing S_t in the same launch;
-      "pallas_triton" only, XLA computes it as "output_only"), "reconstruct" (rebuild S_{t-1}) or
-      "auto" ("pallas_mosaic" implements the reconstruct route only).
+    route: "output_only" (S_t·C from checkpoint and ring, never build S), "reconstruct" (rebuild
+      S_{t-1}) or "auto" ("pallas_mosaic" implements the reconstruct route only).
     implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic".
 
   Returns:
@@ -137,7 +135,7 @@ def replay_decode(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
   softplus = _check_softplus(dt_softplus)
 
   def run_xla():
-    r = "output_only" if route in ("auto", "fused") else route
+    r = "output_only" if route == "auto" else route
     return _jit_xla_replay(x, dt, A, B, C, bufs, plan, D=D, z=z, dt_bias=dt_bias, dt_softplus=softplus,
                            route=r)
 

@@ -46,7 +46,7 @@ from replayssm_jax.pallas import common, fold_triton
 from replayssm_jax.replay import window_decays, window_offsets
 
 f32 = jnp.float32
-ROUTES = ("auto", "output_only", "reconstruct", "fused")
+ROUTES = ("auto", "output_only", "reconstruct")
 OPTIONAL = ("D", "dt_bias", "z")
 
 
@@ -163,7 +163,7 @@ def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, rout
     put = (base + count) % ring_size                                # this token's ring index
     C = r["C"][b, g, :].astype(f32)
     Bt = r["B"][b, g, :].astype(f32)
-    if route != "reconstruct":
+    if route == "output_only":
       # B_j·C for the window entries and B_t·C, shared by the program's heads.
       _, inside = window_offsets((ring_size,), base, count, ring_size)
       rBC = jnp.sum(common.load_window(r["ring_B"].at[s, g, :, :], inside) * C[None, :], axis=1)
@@ -172,23 +172,12 @@ def _replay_kernel(*refs, names, group, heads, block_p, block_n, ring_size, rout
       h = h0 + i
       dA, dx = _token(r, (b,), h, tile, softplus)
       window = _window(r, s, h, base, count, ring_size)
-      if route != "reconstruct":
+      if route == "output_only":
         weights, total, inside = window
-        Sc = r["state"][s, h, tile, :].astype(f32)                     # [BP, N]
+        ScC = jnp.sum(r["state"][s, h, tile, :].astype(f32) * C[None, :], axis=1)
         rx = common.load_window(r["ring_x"].at[s, h, :, tile], inside)    # [R, BP]
-        SC = jnp.exp(total) * jnp.sum(Sc * C[None, :], axis=1) + jnp.sum((weights * rBC)[:, None] * rx, axis=0)
+        SC = jnp.exp(total) * ScC + jnp.sum((weights * rBC)[:, None] * rx, axis=0)
         y = jnp.exp(dA) * SC + BtC * dx
-        if route == "fused":
-          # Flushing rows store S_t = a (e^G S_c + Σ_j w_j Δx_j B_jᵀ) + Δx_t B_tᵀ from the tile
-          # already loaded (no fold pass, no second checkpoint read).
-          @pl.when(flush)
-          def _(h=h, Sc=Sc, window=window, dA=dA, dx=dx):
-            weights, total, inside = window
-            S = fold_triton.accumulate_window(
-                jnp.exp(total) * Sc, weights, inside, lambda rows: r["ring_B"].at[s, g, rows, :],
-                lambda rows: r["ring_x"].at[s, h, rows, tile], ring_size)
-            r["state_out"][s, h, tile, :] = (jnp.exp(dA) * S + dx[:, None] * Bt[None, :]).astype(
-                r["state_out"].dtype)
       else:
         y = _stepped_readout(r, b, s, h, g, tile, window, dA, dx, block_n=block_n,
                              ring_size=ring_size, store=flush)
@@ -319,7 +308,7 @@ def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
   """Output-only route: flushing rows fold window + token 0 (``plan.fold_length()`` entries, the
   token already appended) into their checkpoint (``fold_triton.fold_flushing_rows``; ring_B is the
   key ring, ring_x the value ring, ring_a the log decays). The reconstruct route stored them."""
-  if cfg.route in ("reconstruct", "fused"):
+  if cfg.route == "reconstruct":
     return bufs
   return bufs.replace(state=fold_triton.fold_flushing_rows(
       bufs.state, bufs.ring_B, bufs.ring_x, bufs.ring_a, plan, cfg=cfg.fold,
