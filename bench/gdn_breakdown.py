@@ -9,7 +9,8 @@ decode breakdown also times the read-only floor of any output-only step: each ro
 read once per step (no ring, no store), as an XLA reduce fusion against q and as Pallas-Triton
 streams of [BV, K] tiles at ``--stream-configs`` in two patterns: ``readout`` (one value head per
 program, reduced against q) and ``step`` (the replay step's reads: the r value heads of a key head
-per program, each tile reduced against q and k). Run on a GPU:
+per program, each tile reduced against q and k), the latter also as a native Triton kernel through
+jax_triton at ``--native-stream-configs``. Run on a GPU:
 
     python -m bench.gdn_breakdown --batch 256 --buffer-len 16 --state-dtype float32
     python -m bench.gdn_breakdown --batch 256 --buffer-len 16 --tokens 4 --config bv32w4
@@ -24,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 import replayssm_jax as rs
-from bench import common
+from bench import common, peer_common
 from replayssm_jax import config as config_lib
 from replayssm_jax.pallas import common as pallas_common
 from replayssm_jax.pallas import fold_triton, gdn_triton
@@ -116,6 +117,48 @@ def stream_pass(q, k, *, block_v, num_warps, pattern):
   return fn
 
 
+@functools.cache
+def _native_step_stream():
+  """The ``step`` read pattern as a native Triton kernel (ours), for jax_triton: pointer arguments
+  (slots, q, k, state, o), grid (V/BV, Hk, B)."""
+  import triton  # noqa: PLC0415
+  import triton.language as tl  # noqa: PLC0415
+
+  @triton.jit
+  def kernel(slots_ptr, q_ptr, k_ptr, s_ptr, o_ptr, HV: tl.constexpr, HK: tl.constexpr,
+             V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr):
+    vt, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s = tl.load(slots_ptr + b).to(tl.int64)
+    rv, rk = vt * BV + tl.arange(0, BV), tl.arange(0, K)
+    q = tl.load(q_ptr + (b * HK + hk) * K + rk).to(tl.float32)
+    k = tl.load(k_ptr + (b * HK + hk) * K + rk).to(tl.float32)
+    for i in tl.static_range(HV // HK):
+      h = hk * (HV // HK) + i
+      S = tl.load(s_ptr + ((s * HV + h) * V + rv[:, None]) * K + rk[None, :])
+      tl.store(o_ptr + (b * HV + h) * V + rv,
+               tl.sum(S * q[None, :], axis=1) + 0.5 * tl.sum(S * k[None, :], axis=1))
+  return kernel
+
+
+def native_stream_pass(q, k, *, block_v, num_warps):
+  """The ``step`` pattern in native Triton through jax_triton, as a pass ``fn(bufs, slots)``
+  (raises peer_common.PeerUnavailable where jax_triton cannot run)."""
+  jt = peer_common.import_jax_triton()
+  kernel = _native_step_stream()
+
+  def readout(state, slots):
+    return jt.triton_call(slots, q, k, state, kernel=kernel,
+                          out_shape=jax.ShapeDtypeStruct((slots.shape[0], HV, VD), jnp.float32),
+                          grid=(VD // block_v, HK, slots.shape[0]), num_warps=num_warps,
+                          num_stages=1, HV=HV, HK=HK, V=VD, K=KD, BV=block_v)
+
+  def fn(b, slots):
+    o = readout(b.state, slots)
+    return b.replace(state=b.state.at[0, 0, 0, 0].set(o[-1, -1, -1].astype(b.state.dtype)))
+  fn.readout = readout
+  return fn
+
+
 def xla_stream_pass(q, batch):
   """The same read-only reduction as one XLA reduce fusion over a contiguous slice of the pool."""
   qv = jnp.repeat(q.astype(jnp.float32), HV // HK, axis=1)                 # [B, Hv, K]
@@ -193,6 +236,9 @@ def main(argv=None):
   p.add_argument("--config", default="default", help="step launch config, e.g. bv64w2bk64")
   p.add_argument("--stream-configs", default="bv8w1,bv16w1,bv32w2,bv64w2,bv64w4",
                  help="[BV, K] tiles / warps of the read-only checkpoint stream ('' for none)")
+  p.add_argument("--native-stream-configs", default="",
+                 help="tiles / warps of the step pattern in native Triton through jax_triton, "
+                      "e.g. bv8w1,bv64w8 ('' for none; skipped where jax_triton cannot run)")
   p.add_argument("--reps", type=int, default=7, help="timed calls per pass")
   p.add_argument("--rep-seconds", type=float, default=0.2, help="target seconds per timed call")
   args = p.parse_args(argv)
@@ -246,6 +292,22 @@ def main(argv=None):
                      stream_pass(xs[0], xs[1], block_v=knobs.get("block_v", 16),
                                  num_warps=knobs.get("num_warps", 1), pattern=pattern),
                      checkpoint_bytes))
+  for name in filter(None, args.native_stream_configs.split(",")):
+    knobs = common.parse_config(name).kwargs()
+    try:
+      fn = native_stream_pass(xs[0], xs[1], block_v=knobs.get("block_v", 16),
+                              num_warps=knobs.get("num_warps", 1))
+    except peer_common.PeerUnavailable as e:
+      common.log(f"native stream {name} skipped: {e}")
+      continue
+    # Gate: the native kernel computes what the Pallas step-pattern stream computes.
+    want = stream_readout(xs[0], xs[1], bufs.state, slots_of[0], block_v=16, num_warps=1,
+                          pattern="step")
+    err = float(jnp.max(jnp.abs(fn.readout(bufs.state, slots_of[0]) - want)) / jnp.max(jnp.abs(want)))
+    if not err < 1e-5:
+      raise AssertionError(f"native stream {name}: relative error {err:.1e} against Pallas")
+    passes.append((f"checkpoint read only, native Triton {name}, step pattern", fn,
+                   checkpoint_bytes))
   for label, fn, nbytes in passes:
     _time(lambda c, fn=fn: per_layer(fn, slots_of)(c), jax.tree.map(jnp.copy, bufs), label, rows,
           nbytes)

@@ -554,7 +554,7 @@ def test_gdn_breakdown_runs_each_pass():
   from bench import gdn_breakdown  # noqa: PLC0415
   rows = gdn_breakdown.main(["--batch", "2", "--buffer-len", "2", "--layers", "1", "--config", "ft2",
                              "--reps", "1", "--rep-seconds", "0.001",
-                             "--stream-configs", "bv8w1,bv64w2"])
+                             "--stream-configs", "bv8w1,bv64w2", "--native-stream-configs", "bv8w1"])
   assert len(rows) == 10 and all(float(r[1]) > 0 for r in rows)
   assert [r[0] for r in rows[-5:]] == ["checkpoint read only, XLA reduce",
                                        "checkpoint read only, Triton bv8w1, readout pattern",
