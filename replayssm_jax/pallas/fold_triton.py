@@ -83,24 +83,20 @@ def _window_product(A, K, key_dtype):
           + jnp.dot(a3, Kb, preferred_element_type=f32))
 
 
-def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, *refs, num_layers, group,
-                 block_v, block_k, ring_size, row_slots, into_checkpoint, tiles_per_program):
+def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_ref, ring_k_ref,
+                 ring_u_ref, ring_g_ref, out_ref, *, group, block_v, block_k, ring_size, row_slots,
+                 into_checkpoint, tiles_per_program):
   """out = e^G S_c + Σ_j w_j u_j k_jᵀ over ``length`` entries from ``base``, for listed rows.
 
-  ``refs`` = the ``num_layers`` states, then their key rings, value rings, log-decay rings and
-  outputs (layers of one shape sharing the rows and their windows: one launch folds them all).
-  Grid (V/BV · K/BK / tiles_per_program, H, num_layers · row_slots): program (t, h, l·row_slots + z)
-  folds ``tiles_per_program`` [BV, BK] tiles of layer l's batch rows ``rows[z], rows[z +
-  row_slots], …`` below ``num_rows`` (the flushing rows, compacted, so the grid is sized for the
-  rows that work rather than the batch); the row's slot, window and decays are loaded once for all
-  its tiles. into_checkpoint: out is the (aliased) checkpoint, indexed by slot. Otherwise out is a
-  fresh [B, H, V, K] f32 array indexed by row; padding rows get zeros.
+  Grid (V/BV · K/BK / tiles_per_program, H, row_slots): program (t, h, z) folds
+  ``tiles_per_program`` [BV, BK] tiles of batch rows ``rows[z], rows[z + row_slots], …`` below
+  ``num_rows`` (the flushing rows, compacted, so the grid is sized for the rows that work rather
+  than the batch); the row's slot, window and decays are loaded once for all its tiles.
+  into_checkpoint: out is the (aliased) checkpoint, indexed by slot. Otherwise out is a fresh
+  [B, H, V, K] f32 array indexed by row; padding rows get zeros.
   """
-  t0, h, zl = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  z, layer = zl % row_slots, zl // row_slots
-  states, ring_ks, ring_us, ring_gs, outs = (refs[i * num_layers:(i + 1) * num_layers]
-                                              for i in range(5))
-  num_k_tiles = states[0].shape[-1] // block_k
+  t0, h, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  num_k_tiles = state_ref.shape[-1] // block_k
   tiles = []   # (rows, columns) of this program's tiles
   for j in range(tiles_per_program):
     t = t0 * tiles_per_program + j
@@ -108,39 +104,32 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, *refs,
                   pl.ds((t % num_k_tiles) * block_k, block_k)))
   hk = h // group
 
-  def fold_rows(state_ref, ring_k_ref, ring_u_ref, ring_g_ref, out_ref):
-    def fold_row(i, carry):
-      b = rows_ref[z + i * row_slots]
-      s = slots_ref[b]
+  def fold_row(i, carry):
+    b = rows_ref[z + i * row_slots]
+    s = slots_ref[b]
 
-      @pl.when(s >= 0)
+    @pl.when(s >= 0)
+    def _():
+      base, length = base_ref[b], length_ref[b]
+      _, inside = window_offsets((ring_size,), base, length, ring_size)
+      rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
+      w, total = window_decays(rg, base, length, ring_size)
+      decay = jnp.exp(total)
+      for tile, tile_k in tiles:
+        S = accumulate_window(decay * state_ref[s, h, tile, tile_k].astype(f32), w, inside,
+                              lambda rows, tile_k=tile_k: ring_k_ref.at[s, hk, rows, tile_k],
+                              lambda rows, tile=tile: ring_u_ref.at[s, h, rows, tile], ring_size)
+        out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)
+
+    if not into_checkpoint:
+      @pl.when(s < 0)
       def _():
-        base, length = base_ref[b], length_ref[b]
-        _, inside = window_offsets((ring_size,), base, length, ring_size)
-        rg = plt.load(ring_g_ref.at[s, h, :], mask=inside, other=jnp.zeros((), f32))
-        w, total = window_decays(rg, base, length, ring_size)
-        decay = jnp.exp(total)
         for tile, tile_k in tiles:
-          S = accumulate_window(decay * state_ref[s, h, tile, tile_k].astype(f32), w, inside,
-                                lambda rows, tile_k=tile_k: ring_k_ref.at[s, hk, rows, tile_k],
-                                lambda rows, tile=tile: ring_u_ref.at[s, h, rows, tile], ring_size)
-          out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)
+          out_ref[b, h, tile, tile_k] = jnp.zeros((block_v, block_k), out_ref.dtype)
+    return carry
 
-      if not into_checkpoint:
-        @pl.when(s < 0)
-        def _():
-          for tile, tile_k in tiles:
-            out_ref[b, h, tile, tile_k] = jnp.zeros((block_v, block_k), out_ref.dtype)
-      return carry
-
-    # Rows z, z + row_slots, … below num_rows: ceil((num_rows - z) / row_slots) of them (≤ 0: none).
-    lax.fori_loop(0, (num_rows_ref[0] - z + row_slots - 1) // row_slots, fold_row, 0)
-
-  for l, layer_refs in enumerate(zip(states, ring_ks, ring_us, ring_gs, outs)):
-    if num_layers == 1:
-      fold_rows(*layer_refs)
-    else:
-      pl.when(layer == l)(functools.partial(fold_rows, *layer_refs))
+  # Rows z, z + row_slots, … below num_rows: ceil((num_rows - z) / row_slots) of them (≤ 0: none).
+  lax.fori_loop(0, (num_rows_ref[0] - z + row_slots - 1) // row_slots, fold_row, 0)
 
 
 def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, cfg, row_slots,
@@ -149,47 +138,28 @@ def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, 
   or into a fresh f32 array [B, H, V, K]. ``cfg`` a KernelConfig: the [block_v, block_k] tile;
   ``tiles_per_program`` (a power of two) of them per program, reduced to the largest power of two
   that divides a head's tile count (Mamba2's P = 80 has 5 row tiles), so every tile is folded."""
-  (result,) = fold_layers([(state, ring_k, ring_u, ring_g)], slots, base, length, rows, num_rows,
-                          cfg=cfg, row_slots=row_slots, interpret=interpret,
-                          into_checkpoint=into_checkpoint, name=name,
-                          tiles_per_program=tiles_per_program)
-  return result
-
-
-def fold_layers(layers, slots, base, length, rows, num_rows, *, cfg, row_slots, interpret,
-                into_checkpoint, name, tiles_per_program=1):
-  """``fold`` for several layers in one launch: ``layers`` a sequence of (state, ring_k, ring_u,
-  ring_g) of one shape and dtypes, all folding the same rows and windows (the layers of one model
-  share the cursor). Returns the folded states (aliased checkpoints, or fresh f32 arrays)."""
-  state, ring_k, _, ring_g = layers[0]
-  for i, layer in enumerate(layers[1:], 1):
-    for what, a, b in zip(("state", "ring_k", "ring_u", "ring_g"), layer, layers[0]):
-      if a.shape != b.shape or a.dtype != b.dtype:
-        raise ValueError(f"layers[{i}] {what} {a.shape} {a.dtype}; expected the shape and dtype "
-                         f"of layers[0]: {b.shape} {b.dtype}")
   _, h, vd, kd = state.shape
-  batch, n = slots.shape[0], len(layers)
+  batch = slots.shape[0]
   tiles = (vd // cfg.block_v) * (kd // cfg.block_k)
   tiles_per_program = math.gcd(tiles_per_program, tiles)
-  kernel = functools.partial(_fold_kernel, num_layers=n, group=h // ring_k.shape[1],
-                             block_v=cfg.block_v, block_k=cfg.block_k, ring_size=ring_g.shape[-1],
-                             row_slots=row_slots, into_checkpoint=into_checkpoint,
-                             tiles_per_program=tiles_per_program)
+  kernel = functools.partial(_fold_kernel, group=h // ring_k.shape[1], block_v=cfg.block_v,
+                             block_k=cfg.block_k, ring_size=ring_g.shape[-1], row_slots=row_slots,
+                             into_checkpoint=into_checkpoint, tiles_per_program=tiles_per_program)
   if into_checkpoint:
-    out = jax.ShapeDtypeStruct(state.shape, state.dtype)
-    aliases = {5 + l: l for l in range(n)}
+    out, aliases = jax.ShapeDtypeStruct(state.shape, state.dtype), {5: 0}
   else:
     out, aliases = jax.ShapeDtypeStruct((batch, h, vd, kd), f32), {}
-  args = (rows, jnp.reshape(num_rows, (1,)).astype(jnp.int32), slots, base, length,
-          *(layer[i] for i in range(4) for layer in layers))
-  common.require_triton_addressable(name, state=state, ring_k=ring_k, ring_u=layers[0][2], out=out)
+  args = (rows, jnp.reshape(num_rows, (1,)).astype(jnp.int32), slots, base, length, state,
+          ring_k, ring_u, ring_g)
+  common.require_triton_addressable(name, state=state, ring_k=ring_k, ring_u=ring_u, out=out)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  return pl.pallas_call(
-      kernel, grid=(tiles // tiles_per_program, h, n * row_slots), in_specs=[any_spec] * len(args),
-      out_specs=[any_spec] * n,
-      out_shape=[out] * n, input_output_aliases=aliases, name=name, interpret=interpret,
+  (result,) = pl.pallas_call(
+      kernel, grid=(tiles // tiles_per_program, h, row_slots), in_specs=[any_spec] * len(args),
+      out_specs=[any_spec],
+      out_shape=[out], input_output_aliases=aliases, name=name, interpret=interpret,
       compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
   )(*args)
+  return result
 
 
 def compact_rows(flags):
@@ -211,18 +181,8 @@ def fold_flushing_rows(state, ring_k, ring_u, ring_g, plan: ReplayPlan, *, cfg, 
                        interpret, name, tiles_per_program=1):
   """The flush pass after a step kernel appended token 0: flushing rows fold
   ``plan.fold_length()`` entries (window + token 0) into their checkpoint; returns the state."""
-  (state,) = fold_flushing_layers([(state, ring_k, ring_u, ring_g)], plan, cfg=cfg,
-                                  row_slots=row_slots, interpret=interpret, name=name,
-                                  tiles_per_program=tiles_per_program)
-  return state
-
-
-def fold_flushing_layers(layers, plan: ReplayPlan, *, cfg, row_slots, interpret, name,
-                         tiles_per_program=1):
-  """``fold_flushing_rows`` for several layers of one shape in one launch (``fold_layers``):
-  ``layers`` a sequence of (state, ring_k, ring_u, ring_g); returns their states."""
   # Compact the flushing rows to the front so the fold grid is sized for them, not for the batch.
   rows = compact_rows(plan.flush)
-  return fold_layers(layers, plan.slots, plan.base, plan.fold_length(), rows, jnp.sum(plan.flush),
-                     cfg=cfg, row_slots=row_slots, interpret=interpret, into_checkpoint=True,
-                     name=name, tiles_per_program=tiles_per_program)
+  return fold(state, ring_k, ring_u, ring_g, plan.slots, plan.base, plan.fold_length(), rows,
+              jnp.sum(plan.flush), cfg=cfg, row_slots=row_slots, interpret=interpret,
+              into_checkpoint=True, name=name, tiles_per_program=tiles_per_program)
