@@ -15,7 +15,9 @@ and the Pallas Mosaic GPU arms ``conv-mosaic`` / ``replay-mosaic`` (implementati
 output-only route, flush fold fused; config module defaults) to time Mosaic vs Triton in one run.
 Peer arms (``peer-sglang-replay``, ``peer-sglang-conv``: bench/peer_sglang.py) run SGLang's
 kernels through jax_triton on the same data; a peer that cannot run here is a skipped row.
-XLA arms run only at ``--xla-batches``. ``--configs bv32w2,bv64w4`` adds one row per Pallas launch
+Opt-in ``replay-pallas-copy`` / ``replay-xla-copy``: the same replay decode over buffers with a
+16-bit read copy of the float32 checkpoint (``--read-copy-dtype``, ``ReplayBuffers.read_copy``),
+float32 state rows only. XLA arms run only at ``--xla-batches``. ``--configs bv32w2,bv64w4`` adds one row per Pallas launch
 config (calls ``replayssm_jax.pallas.gdn_triton`` with keyword overrides; ``default`` = the config
 module's choice through the public op).
 
@@ -105,19 +107,21 @@ DEFAULT_ARMS = harness.STANDARD_ARMS
 # Byte model
 
 def bytes_model(geo: Geometry, family: str, buffer_len: int | None, state_dtype, ring_dtype,
-                act_dtype) -> dict:
+                act_dtype, read_copy_dtype=None) -> dict:
   """Minimal bytes per batch row and layer-step, averaged over a full cycle (module doc)."""
   a, s, r = (common.itemsize(d) for d in (act_dtype, state_dtype, ring_dtype))
   return harness.cycle_bytes(
       family, buffer_len, inputs=(2 * geo.hk * geo.kd + geo.hv * geo.vd + geo.hv) * a + geo.hv * 4,
       output=geo.hv * geo.vd * a, state=geo.hv * geo.vd * geo.kd * s,
-      entry=geo.hk * geo.kd * r + geo.hv * geo.vd * r + geo.hv * 4)
+      entry=geo.hk * geo.kd * r + geo.hv * geo.vd * r + geo.hv * 4,
+      read_copy=None if read_copy_dtype is None else geo.hv * geo.vd * geo.kd * common.itemsize(read_copy_dtype))
 
 
 def donated_sizes(setup: harness.Setup) -> list[int]:
-  """Bytes of the large donated arrays (all P layers): state pool; ring_k and ring_u for replay."""
+  """Bytes of the large donated arrays (all P layers): state pool (and its read copy); ring_k and
+  ring_u for replay."""
   geo, slots = setup.geo, setup.layers * setup.num_slots
-  sizes = [harness.pool_bytes(setup)]
+  sizes = [harness.pool_bytes(setup)] + harness.read_copy_bytes(setup)
   if setup.family == "replay":
     r = common.itemsize(setup.ring_dtype)
     sizes += [slots * geo.hk * setup.ring_size * geo.kd * r, slots * geo.hv * setup.ring_size * geo.vd * r]
@@ -135,7 +139,8 @@ def _make_rings(setup: harness.Setup, state, streams):
   ring_k = common.l2_normalize(common.hash_normal(streams[0], (N, geo.hk, R, geo.kd))).astype(rdt)
   ring_u = common.hash_normal(streams[1], (N, geo.hv, R, geo.vd)).astype(rdt)
   ring_g = -common.hash_uniform(streams[2], (N, geo.hv, R), 0.01, 0.5)
-  return ReplayBuffers(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+  copy = None if setup.read_copy_dtype is None else state.astype(setup.read_copy_dtype)
+  return ReplayBuffers(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g, read_copy=copy)
 
 
 def _make_bank(setup: harness.Setup, streams):

@@ -52,6 +52,7 @@ class Arm:
   route: str | None = None
   flush_all: bool = False   # every step flushes every row (the small-batch policy's plan)
   peer: Any = None          # a bench.peer_common.Peer: another project's kernel (impl "peer")
+  read_copy: bool = False   # buffers with a 16-bit read copy of the checkpoint (--read-copy-dtype)
 
 
 ARMS = {a.name: a for a in (
@@ -67,6 +68,9 @@ ARMS = {a.name: a for a in (
     # The small-batch policy: cursor.plan(flush_all=True), one fold-and-step pass per layer (its
     # %-of-ceiling column uses the replay byte model; the speed-up column is what it is for).
     Arm("replay-pallas-flushall", "replay", "pallas_triton", "output_only", flush_all=True),
+    # The opt-in read copy (ReplayBuffers.create(read_copy_dtype=...)): steps read the 16-bit copy.
+    Arm("replay-pallas-copy", "replay", "pallas_triton", "output_only", read_copy=True),
+    Arm("replay-xla-copy", "replay", "xla", "output_only", read_copy=True),
 )}
 STANDARD_ARMS = ("conv-pallas", "replay-pallas-oo", "replay-pallas-rc", "conv-xla", "replay-xla")
 CONV_ARMS = ("conv-pallas", "conv-mosaic")   # "our best conventional kernel" = the faster of these
@@ -74,8 +78,8 @@ REF_ARM = {"conv": ARMS["conv-xla"], "replay": ARMS["replay-xla"]}
 
 
 def _ref_arm(arm: Arm) -> Arm:
-  """The XLA arm an arm's gate compares with: same family and plan policy (flush_all)."""
-  return dataclasses.replace(REF_ARM[arm.family], flush_all=arm.flush_all)
+  """The XLA arm an arm's gate compares with: same family, plan policy (flush_all) and buffers."""
+  return dataclasses.replace(REF_ARM[arm.family], flush_all=arm.flush_all, read_copy=arm.read_copy)
 
 
 def _ref_key(case) -> tuple:
@@ -98,8 +102,8 @@ class LayerBench:
   Geometries are frozen dataclasses with ``state_shape`` (one slot's state) and ``out_shape`` (one
   row's output). Callables:
 
-  * ``bytes_model(geo, family, buffer_len, state_dtype, ring_dtype, act_dtype) -> dict``: minimal
-    bytes per batch row and layer-step, with a ``total``.
+  * ``bytes_model(geo, family, buffer_len, state_dtype, ring_dtype, act_dtype, read_copy_dtype)
+    -> dict``: minimal bytes per batch row and layer-step, with a ``total``.
   * ``donated_sizes(setup) -> [bytes]``: the large donated arrays; a copy of one of them in the
     timed program is reported (``big_copies``).
   * ``make_rings(setup, state, streams) -> buffers``: the replay buffers around ``state`` (all P
@@ -170,6 +174,7 @@ class Setup:
   bank: int
   seed: int
   layout: Any = None   # a peer's RingLayout (bench.peer_common): buffers in its form, cursors at base 0
+  read_copy_dtype: str | None = None   # replay buffers with a read copy of the checkpoint
 
   @property
   def num_slots(self) -> int:  # per layer
@@ -202,14 +207,27 @@ def pool_bytes(setup: Setup) -> int:
           * common.itemsize(setup.state_dtype))
 
 
+def read_copy_bytes(setup: Setup) -> list[int]:
+  """[bytes of the read copy of all P layers' pools], or [] without one."""
+  if setup.read_copy_dtype is None:
+    return []
+  return [pool_bytes(setup) // common.itemsize(setup.state_dtype) * common.itemsize(setup.read_copy_dtype)]
+
+
 def cycle_bytes(family: str, buffer_len: int | None, *, inputs: float, output: float, state: float,
-                entry: float) -> dict:
+                entry: float, read_copy: float | None = None) -> dict:
   """Minimal bytes per batch row and layer-step, averaged over a full cycle, from one row's
   ``inputs``, ``output``, ``state`` and ring ``entry`` bytes: conventional, the state read and
   written; replay, the checkpoint read every step and written once per L steps, the live window read
-  once ((L-1)/2 entries on average) and one entry written."""
+  once ((L-1)/2 entries on average) and one entry written. With a ``read_copy`` (its bytes): the
+  copy read every step; once per L steps the checkpoint read and written and the copy written."""
   if family == "conv":
     parts = {"inputs": inputs, "output": output, "state_read": state, "state_write": state}
+  elif read_copy is not None:
+    L = buffer_len
+    parts = {"inputs": inputs, "output": output, "read_copy_read": read_copy,
+             "checkpoint_fold": 2 * state / L, "read_copy_write": read_copy / L,
+             "ring_read": entry * (L - 1) / 2, "ring_write": entry}
   else:
     L = buffer_len
     parts = {"inputs": inputs, "output": output, "checkpoint_read": state,
@@ -400,6 +418,7 @@ def gate_tolerance(setup: Setup) -> float:
   what a wrong index, phase or missed write gives (O(1)), above TF32 (≈ 5e-4)."""
   worst = {"float32": 2e-3, "float16": 5e-3, "bfloat16": 1e-2}
   dts = [setup.act_dtype, setup.state_dtype] + ([setup.ring_dtype] if setup.family == "replay" else [])
+  dts += [setup.read_copy_dtype] if setup.read_copy_dtype else []
   return max(worst[jnp.dtype(d).name] for d in dts)
 
 
@@ -474,7 +493,8 @@ def run_case(bench: LayerBench, case: Case, runner, gate_fn, ref_gate_fn, args, 
 
 def _row_skeleton(bench: LayerBench, case: Case) -> dict:
   s = case.setup
-  bm = bench.bytes_model(s.geo, case.arm.family, s.buffer_len, s.state_dtype, s.ring_dtype, s.act_dtype)
+  bm = bench.bytes_model(s.geo, case.arm.family, s.buffer_len, s.state_dtype, s.ring_dtype, s.act_dtype,
+                         s.read_copy_dtype)
   replay = case.arm.family == "replay"
   return {
       "arm": case.arm.name, "label": case.label, "config": case.cfg.name,
@@ -484,6 +504,7 @@ def _row_skeleton(bench: LayerBench, case: Case) -> dict:
       "peer": case.arm.peer.name if case.arm.peer else None,
       "ring_layout": s.layout.name if s.layout else None,
       "state_dtype": s.state_dtype, "ring_dtype": s.ring_dtype if replay else None,
+      "read_copy_dtype": s.read_copy_dtype,
       "act_dtype": s.act_dtype, "batch": s.batch, "buffer_len": s.buffer_len if replay else None,
       "layers": s.layers, "slots_per_layer": s.num_slots, "cycle_steps": s.cycle_steps,
       "bytes_per_row": bm, "bytes_per_layer_step": bm["total"] * s.batch,
@@ -531,15 +552,18 @@ def plan_groups(bench: LayerBench, args, geo, pallas_error: str | None):
   for sdt in args.state_dtypes:
     for B in args.batches:
       P = layers_for(geo, B, sdt, args.target_bytes, args.max_layers, args.min_layers)
-      mk = lambda family, L, layout=None: Setup(
+      mk = lambda family, L, layout=None, copy=None: Setup(
           geo=geo, family=family, batch=B, layers=P, buffer_len=L, state_dtype=sdt, ring_dtype=args.ring_dtype,
-          act_dtype=args.act_dtype, bank=args.bank, seed=args.seed, layout=layout)
+          act_dtype=args.act_dtype, bank=args.bank, seed=args.seed, layout=layout, read_copy_dtype=copy)
       cases, skipped, seen = [], [], set()
       setups = [mk("conv", args.conv_cycle)] + [mk("replay", L, lay) for lay in layouts for L in args.buffer_lens]
+      if any(a.read_copy for a in arms) and sdt == "float32":   # a read copy serves f32 checkpoints
+        setups += [mk("replay", L, copy=args.read_copy_dtype) for L in args.buffer_lens]
       for setup in setups:
         for arm in arms:
           layout = arm.peer.layout if arm.peer and arm.family == "replay" else None
           if (arm.family != setup.family or layout is not setup.layout
+              or arm.read_copy != (setup.read_copy_dtype is not None)
               or (arm.impl == "xla" and B not in args.xla_batches)):
             continue
           heads = args.heads if bench.heads_option and arm.impl == "pallas_triton" and arm.family == "replay" else None
@@ -876,6 +900,8 @@ def parse_args(bench: LayerBench, argv):
   p.add_argument("--smoke", action="store_true", help=bench.smoke_help)
   p.add_argument("--state-dtypes", type=_csv(_dtype_name), default=["float32", "bfloat16"])
   p.add_argument("--ring-dtype", type=_dtype_name, default="bfloat16")
+  p.add_argument("--read-copy-dtype", type=_dtype_name, default="bfloat16",
+                 help="dtype of the checkpoint's read copy in the *-copy arms (float32 state only)")
   p.add_argument("--act-dtype", type=_dtype_name, default="bfloat16")
   p.add_argument("--batches", type=_csv(int), default=[1, 8, 32, 128, 256, 512])
   p.add_argument("--buffer-lens", type=_csv(int), default=list(bench.default_buffer_lens))
@@ -987,7 +1013,8 @@ def _dry_run(bench: LayerBench, args, geo) -> dict:
     for c in cases:
       s = c.setup
       mem = sum(bench.donated_sizes(s)) / 2**30
-      mb = bench.bytes_model(geo, s.family, s.buffer_len, sdt, s.ring_dtype, s.act_dtype)["total"] * B / 1e6
+      mb = bench.bytes_model(geo, s.family, s.buffer_len, sdt, s.ring_dtype, s.act_dtype,
+                             s.read_copy_dtype)["total"] * B / 1e6
       lines.append([c.label, sdt, str(B), str(s.buffer_len if s.family == "replay" else "-"), str(s.layers),
                     f"{mem:.2f}", f"{mb:.1f}"])
     for r in skipped:

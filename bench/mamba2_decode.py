@@ -14,6 +14,8 @@ Arms (``--arms``): ``conv-pallas`` (rs.mamba2.decode, pallas_triton), ``replay-p
 ``conv-xla``, ``replay-xla`` (route output_only). XLA arms run only at ``--xla-batches``.
 ``replay-pallas-flushall`` (not in the default set): every step ``cursor.plan(flush_all=True)``,
 the small-batch policy's plan, through the same replay kernel (every row takes its flush path).
+``replay-pallas-copy`` / ``replay-xla-copy`` (not in the default set): output-only replay over
+buffers with a 16-bit read copy of the float32 checkpoint (``--read-copy-dtype``), f32 rows only.
 ``conv-mosaic`` / ``replay-mosaic-rc`` (not in the default set): implementation="pallas_mosaic",
 the Mosaic GPU decode and the reconstruct-route replay kernel. Peer arms ``peer-vllm-replay``
 (bench/peer_vllm.py) and ``peer-mamba-ssm-conv`` (bench/peer_mamba_ssm.py) run those projects'
@@ -74,7 +76,8 @@ class Geometry:
 
 NEMOTRON_SUPER = Geometry(h=128, g=8, p=64, n=128)
 SMOKE = Geometry(h=4, g=2, p=8, n=16)
-ARMS = harness.STANDARD_ARMS + ("replay-pallas-flushall", "conv-mosaic", "replay-mosaic-rc")
+ARMS = harness.STANDARD_ARMS + ("replay-pallas-flushall", "conv-mosaic", "replay-mosaic-rc",
+                                "replay-pallas-copy", "replay-xla-copy")
 DEFAULT_ARMS = harness.STANDARD_ARMS
 _KNOBS = {"block_v": "block_p", "block_k": "block_n", "num_warps": "num_warps",
           "num_stages": "num_stages", "fold_block_v": "fold_block_p", "fold_block_k": "fold_block_n",
@@ -85,18 +88,20 @@ _KNOBS = {"block_v": "block_p", "block_k": "block_n", "num_warps": "num_warps",
 # Byte model
 
 def bytes_model(geo: Geometry, family: str, buffer_len: int | None, state_dtype, ring_dtype,
-                act_dtype) -> dict:
+                act_dtype, read_copy_dtype=None) -> dict:
   """Minimal bytes per batch row and layer-step, averaged over a full cycle (module doc)."""
   a, s, r = (common.itemsize(d) for d in (act_dtype, state_dtype, ring_dtype))
   return harness.cycle_bytes(
       family, buffer_len, inputs=(2 * geo.h * geo.p + geo.h + 2 * geo.g * geo.n) * a,
       output=geo.h * geo.p * a, state=geo.h * geo.p * geo.n * s,
-      entry=(geo.h * geo.p + geo.g * geo.n) * r + geo.h * 4)
+      entry=(geo.h * geo.p + geo.g * geo.n) * r + geo.h * 4,
+      read_copy=None if read_copy_dtype is None else geo.h * geo.p * geo.n * common.itemsize(read_copy_dtype))
 
 
 def donated_sizes(setup: harness.Setup) -> list[int]:
-  """Bytes of the large donated array whose copy is looked for: the state pool (all P layers)."""
-  return [harness.pool_bytes(setup)]
+  """Bytes of the large donated arrays whose copy is looked for: the state pool (all P layers)
+  and its read copy."""
+  return [harness.pool_bytes(setup)] + harness.read_copy_bytes(setup)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,7 +114,8 @@ def _make_rings(setup: harness.Setup, state, streams):
   ring_x = (common.hash_normal(streams[0], (N, geo.h, R, geo.p)) * 0.05).astype(rdt)
   ring_B = common.hash_normal(streams[1], (N, geo.g, R, geo.n)).astype(rdt)
   ring_a = -common.hash_uniform(streams[2], (N, geo.h, R), 0.01, 0.5)
-  return ReplayBuffers(state=state, ring_x=ring_x, ring_B=ring_B, ring_a=ring_a)
+  copy = None if setup.read_copy_dtype is None else state.astype(setup.read_copy_dtype)
+  return ReplayBuffers(state=state, ring_x=ring_x, ring_B=ring_B, ring_a=ring_a, read_copy=copy)
 
 
 def _make_bank(setup: harness.Setup, streams):

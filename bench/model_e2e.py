@@ -48,6 +48,7 @@ from replayssm_jax.models.presets import preset
 DEPTH = {"qwen3-next-80b-a3b": 12}
 SMOKE = {"tiny-qwen3_5": "qwen3_5", "tiny-nemotron_h": "nemotron_h"}   # tests/data/hf directories
 MODES = {"conventional": False, "replay": True}
+READ_COPY_MODE = "replay-read-copy"   # --read-copy: replay over caches with a bf16 read copy
 MEMORY_BUDGET = 120 * 2**30     # bytes of parameters + cache a run may take on a 141 GB card
 
 
@@ -58,17 +59,19 @@ def model_config(name: str):
   return preset(name, num_layers=DEPTH.get(name))
 
 
-def cache_bytes(model, batch, max_len, buffer_len) -> int:
+def cache_bytes(model, batch, max_len, buffer_len, read_copy_dtype=None) -> int:
   abstract = jax.eval_shape(lambda: model.init_cache(batch, buffer_len=buffer_len, max_len=max_len,
-                                                     ring_dtype=jnp.bfloat16))
+                                                     ring_dtype=jnp.bfloat16,
+                                                     read_copy_dtype=read_copy_dtype))
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
 
 
-def prepared_cache(model, batch, *, context, buffer_len, replay):
+def prepared_cache(model, batch, *, context, buffer_len, replay, read_copy_dtype=None):
   """Cache with ``context`` tokens per slot (KV entries zero: attention costs the same) and, in
-  replay mode, staggered cursor windows of zero entries (an exact state)."""
+  replay mode, staggered cursor windows of zero entries (an exact state); ``read_copy_dtype``: the
+  recurrent checkpoints' read copy."""
   cache = model.init_cache(batch, buffer_len=buffer_len, max_len=context + buffer_len,
-                           ring_dtype=jnp.bfloat16)
+                           ring_dtype=jnp.bfloat16, read_copy_dtype=read_copy_dtype)
   count = jnp.arange(batch, dtype=jnp.int32) % max(1, buffer_len - 1) if replay else cache.cursor.count
   return cache.replace(cursor=cache.cursor.replace(count=count),
                        positions=jnp.full((batch,), context, jnp.int32))
@@ -187,10 +190,15 @@ def _timed(compiled, params, carry, *, buffer_len, reps, rep_seconds):
 
 # ---- the run ---------------------------------------------------------------------------------
 
-def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, buffer_len=None):
+def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, buffer_len=None,
+               read_copy=False):
   """Lowers every (context, B, mode) step program and part, compiles them in parallel, then times
   them one after the other. ``buffer_len`` None: the library's decode default
-  (``config.DECODE_BUFFER_LEN``, what a cache made without one gets)."""
+  (``config.DECODE_BUFFER_LEN``, what a cache made without one gets). ``read_copy``: a third mode,
+  replay over caches whose float32 checkpoints have a bf16 read copy."""
+  modes = {name: (replay, None) for name, replay in MODES.items()}
+  if read_copy:
+    modes[READ_COPY_MODE] = (True, jnp.bfloat16)
   config = model_config(name)
   buffer_len = config_lib.DECODE_BUFFER_LEN if buffer_len is None else buffer_len
   model = make_model(config, seed=0)
@@ -203,7 +211,8 @@ def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, bu
   rows, part_rows, programs, shapes = [], [], {}, []
   for context in contexts:
     for batch in batches:
-      need = param_bytes + cache_bytes(model, batch, context + buffer_len, buffer_len)
+      need = param_bytes + cache_bytes(model, batch, context + buffer_len, buffer_len,
+                                       jnp.bfloat16 if read_copy else None)
       if need > MEMORY_BUDGET:
         common.log(f"  C={context} B={batch}: skipped, {need / 2**30:.0f} GiB > {MEMORY_BUDGET / 2**30:.0f} GiB")
         rows.append({"preset": name, "batch": batch, "context": context, "skipped": "memory", "bytes": need})
@@ -211,9 +220,9 @@ def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, bu
       shapes.append((context, batch))
       tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
       x = jax.ShapeDtypeStruct((batch, config.hidden_size), config.dtype)
-      for mode, replay in MODES.items():
+      for mode, (replay, copy) in modes.items():
         cache = jax.eval_shape(lambda: prepared_cache(model, batch, context=context, buffer_len=buffer_len,
-                                                      replay=replay))
+                                                      replay=replay, read_copy_dtype=copy))
         fn = _step_loop(graphdef, replay=replay, buffer_len=buffer_len, context=context)
         programs[("step", context, batch, mode)] = (fn, (params, (tok, cache), jnp.int32(1)))
         for i, part in enumerate(the_parts if parts is True or (parts and batch in parts) else []):
@@ -229,8 +238,9 @@ def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, bu
                                             rep_seconds=rep_seconds)
   for context, batch in shapes:
     group = []
-    for mode, replay in MODES.items():
-      cache = prepared_cache(model, batch, context=context, buffer_len=buffer_len, replay=replay)
+    for mode, (replay, copy) in modes.items():
+      cache = prepared_cache(model, batch, context=context, buffer_len=buffer_len, replay=replay,
+                             read_copy_dtype=copy)
       med, p20, p80, cycles = timed(("step", context, batch, mode), params, (jnp.ones((batch,), jnp.int32), cache))
       group.append({"preset": name, "mode": mode, "batch": batch, "context": context, "buffer_len": buffer_len,
                     "median_ms": med, "p20_ms": p20, "p80_ms": p80, "tokens_per_s": batch / (med / 1e3),
@@ -241,18 +251,18 @@ def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, bu
           continue
         # One layer's cache (the rest of the model's cache is freed at once).
         state = _part_state(model, part, prepared_cache(model, batch, context=context, buffer_len=buffer_len,
-                                                        replay=replay))
+                                                        replay=replay, read_copy_dtype=copy))
         x = common.hash_normal(7, (batch, config.hidden_size)).astype(config.dtype)
         med_p, p20_p, p80_p, _ = timed(key, nnx.split(part.module)[1], (x, state))
         part_rows.append({"preset": name, "batch": batch, "context": context, "part": part.label,
                           "kind": part.kind, "layers": part.count, "ms_per_layer": med_p,
                           "ms_per_step": med_p * part.count, "p20_ms_per_layer": p20_p,
                           "p80_ms_per_layer": p80_p, "mode": mode if part.kind == "recurrent" else "both"})
-    group[1]["speedup_vs_conv"] = group[0]["median_ms"] / group[1]["median_ms"]
+    for r in group[1:]:
+      r["speedup_vs_conv"] = group[0]["median_ms"] / r["median_ms"]
+      common.log(f"  C={context} B={batch}: conventional {group[0]['median_ms']:.3f} ms, {r['mode']} "
+                 f"{r['median_ms']:.3f} ms/step ({r['speedup_vs_conv']:.2f}x), {r['tokens_per_s']:.0f} tokens/s")
     rows += group
-    common.log(f"  C={context} B={batch}: conventional {group[0]['median_ms']:.3f} ms, replay "
-               f"{group[1]['median_ms']:.3f} ms/step ({group[1]['speedup_vs_conv']:.2f}x), "
-               f"{group[1]['tokens_per_s']:.0f} tokens/s")
   return {"preset": name, "config": config.to_dict(), "buffer_len": buffer_len,
           "param_bytes": param_bytes, "rows": rows, "parts": part_rows}
 
@@ -265,10 +275,11 @@ def _tables(results) -> str:
       if "skipped" in r:
         step_rows.append([r["preset"], str(r["context"]), str(r["batch"]), "-", "-", "-", "-",
                           f"skipped ({r['bytes'] / 2**30:.0f} GiB)"])
-      elif r["mode"] == "replay":
+      elif r["mode"] != "conventional":
         conv = next(x for x in res["rows"] if x.get("mode") == "conventional" and x["batch"] == r["batch"]
                     and x["context"] == r["context"])
-        step_rows.append([r["preset"], str(r["context"]), str(r["batch"]), f"{conv['median_ms']:.3f}",
+        label = r["preset"] + (" (bf16 read copy)" if r["mode"] == READ_COPY_MODE else "")
+        step_rows.append([label, str(r["context"]), str(r["batch"]), f"{conv['median_ms']:.3f}",
                           f"{r['median_ms']:.3f}", f"{conv['tokens_per_s']:.0f}", f"{r['tokens_per_s']:.0f}",
                           f"{r['speedup_vs_conv']:.2f}x"])
   out.append(common.render_table(["preset", "context", "B", "conv ms/step", "replay ms/step", "conv tok/s",
@@ -319,6 +330,8 @@ def main(argv=None) -> dict:
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--rep-seconds", type=float, default=0.25)
   p.add_argument("--compile-workers", type=int, default=8, help="programs compiled at once")
+  p.add_argument("--read-copy", action="store_true",
+                 help="also time replay over caches whose float32 checkpoints have a bf16 read copy")
   p.add_argument("--out-json", default=None)
   p.add_argument("--plot", default=None, help="write the speed-up plot (PNG) here")
   args = p.parse_args(argv)
@@ -332,7 +345,7 @@ def main(argv=None) -> dict:
       {int(b) for b in args.parts.split(",")} if args.parts else False)
   results = [run_preset(n, batches=batches, contexts=contexts, parts=parts, reps=reps,
                         rep_seconds=rep_seconds, workers=args.compile_workers,
-                        buffer_len=args.buffer_len) for n in names]
+                        buffer_len=args.buffer_len, read_copy=args.read_copy) for n in names]
   print(_tables(results))
   out = {"meta": common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.model_e2e"),
          "results": results}

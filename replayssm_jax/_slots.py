@@ -38,6 +38,30 @@ def check_create(num_slots, cursor, dims: dict, state_dtype, ring_dtype):
   return state_dtype, ring_dtype
 
 
+READ_COPY_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def check_read_copy(read_copy_dtype, state_dtype):
+  """Validates ``ReplayBuffers.create(read_copy_dtype=...)``: None or a 16-bit float narrower than a
+  float32 checkpoint; returns the dtype (or None)."""
+  if read_copy_dtype is None:
+    return None
+  dtype = jnp.dtype(read_copy_dtype)
+  if dtype not in [jnp.dtype(d) for d in READ_COPY_DTYPES]:
+    raise ValueError(f"read_copy_dtype={dtype}; expected None, bfloat16 or float16")
+  if jnp.dtype(state_dtype) != jnp.dtype(jnp.float32):
+    raise ValueError(f"read_copy_dtype={dtype} with state_dtype={jnp.dtype(state_dtype)}: a read copy "
+                     f"serves a float32 checkpoint (a 16-bit checkpoint is already read at 16 bits)")
+  return dtype
+
+
+def without_read_copy(op: str, bufs) -> None:
+  """Ops that write the checkpoint in a kernel of their own do not keep a read copy in step."""
+  if bufs.read_copy is not None:
+    raise NotImplementedError(f"{op}: buffers with a read copy (ReplayBuffers.create(read_copy_dtype="
+                              f"...)) are not supported here; create them without one")
+
+
 def check_plan(plan, bufs, batch: int, rows_of: str) -> None:
   """A plan from the cursor these buffers were made with, one slot per row of ``rows_of``."""
   if not isinstance(plan, ReplayPlan):
@@ -91,7 +115,10 @@ def window_of(cursor, slots):
 
 @jax.jit
 def _write_state(bufs, cursor, slots, S):
-  return bufs.replace(state=scatter_rows(bufs.state, slots, S)), cursor.reset(slots)
+  bufs = bufs.replace(state=scatter_rows(bufs.state, slots, S))
+  if bufs.read_copy is not None:
+    bufs = bufs.replace(read_copy=scatter_rows(bufs.read_copy, slots, S))
+  return bufs, cursor.reset(slots)
 
 
 def write_state(op: str, bufs, cursor, slots, S, implementation, what: str):

@@ -23,6 +23,11 @@ class ReplayBuffers:
     ring_g: [N, Hv, R] float32 log decays.
     ring_v: [N, Hv, R, V] raw values (ring dtype); ``fold="exact"`` only, else None.
     ring_beta: [N, Hv, R] float32 raw write strengths β; ``fold="exact"`` only, else None.
+    read_copy: [N, Hv, V, K] the float32 checkpoint rounded to bfloat16 / float16, or None
+      (``create(read_copy_dtype=...)``). Decode steps read it instead of the checkpoint (half the
+      bytes of every step); every write of the checkpoint writes it too, so it always equals
+      ``state.astype(read_copy.dtype)``. Outputs and the corrected values u see one rounding of
+      S_c to 16 bits per step (S·q, S·k); the checkpoint and the fold stay float32.
     fold: how a flush folds the window into the checkpoint (static):
       "u": from the cached corrected values, ``S = e^{Σg} S_c + Σ_j e^{Σ_{i>j} g_i} u_j k_jᵀ``. The
         u's were computed from a replayed state, so their rounding (storage dtype, the verify
@@ -37,15 +42,18 @@ class ReplayBuffers:
   ring_g: jax.Array
   ring_v: jax.Array | None = None
   ring_beta: jax.Array | None = None
+  read_copy: jax.Array | None = None
   fold: str = flax.struct.field(pytree_node=False, default="u")
 
   @classmethod
   def create(cls, num_slots: int, cursor: ReplayCursor, *, num_k_heads: int, num_v_heads: int,
              head_k_dim: int, head_v_dim: int, state_dtype=jnp.float32, ring_dtype=None,
-             fold: Literal["u", "exact"] = "u") -> "ReplayBuffers":
+             fold: Literal["u", "exact"] = "u", read_copy_dtype=None) -> "ReplayBuffers":
     """Zeroed buffers. ``ring_dtype=None`` stores the ring in the state dtype.
 
-    ``fold="exact"`` adds ``ring_v`` and ``ring_beta`` (raw inputs) to the ring; see the class doc.
+    ``fold="exact"`` adds ``ring_v`` and ``ring_beta`` (raw inputs) to the ring;
+    ``read_copy_dtype`` (bfloat16 / float16, float32 state only) adds ``read_copy``; see the class
+    doc.
     """
     state_dtype, ring_dtype = _slots.check_create(
         num_slots, cursor, {"num_k_heads": num_k_heads, "num_v_heads": num_v_heads,
@@ -56,6 +64,7 @@ class ReplayBuffers:
                        f"(GQA needs Hv = r·Hk)")
     if fold not in FOLDS:
       raise ValueError(f"fold={fold!r}; expected one of {FOLDS}")
+    copy_dtype = _slots.check_read_copy(read_copy_dtype, state_dtype)
     r = cursor.ring_size
     exact = fold == "exact"
     return cls(
@@ -65,6 +74,8 @@ class ReplayBuffers:
         ring_g=jnp.zeros((num_slots, num_v_heads, r), jnp.float32),
         ring_v=jnp.zeros((num_slots, num_v_heads, r, head_v_dim), ring_dtype) if exact else None,
         ring_beta=jnp.zeros((num_slots, num_v_heads, r), jnp.float32) if exact else None,
+        read_copy=(None if copy_dtype is None else
+                   jnp.zeros((num_slots, num_v_heads, head_v_dim, head_k_dim), copy_dtype)),
         fold=fold,
     )
 

@@ -104,7 +104,8 @@ def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", imp
     scale: query scale, default K^-0.5.
     route: "output_only" (read S·q and S·k from the checkpoint and the ring, never build S),
       "reconstruct" (replay the window into each state tile; the Pallas kernel also stores
-      flushing rows in the same launch) or "auto" (the config's choice).
+      flushing rows in the same launch) or "auto" (the config's choice). Buffers with a read copy
+      (``ReplayBuffers.read_copy``) read it instead of the checkpoint, on the output_only route.
     implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic"
       (output_only route only).
 
@@ -122,6 +123,9 @@ def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", imp
                      f"(use replay_verify for draft tokens)")
   if route not in ROUTES:
     raise ValueError(f"route={route!r}; expected one of {ROUTES}")
+  if bufs.read_copy is not None and route == "reconstruct":
+    raise NotImplementedError("gdn.replay_decode: route='reconstruct' with a read copy (the step reads "
+                              "the copy on the output_only route only)")
   scale = _resolve_scale(scale, bufs.head_k_dim)
 
   def run_xla():
@@ -135,6 +139,7 @@ def replay_decode(q, k, v, g, beta, bufs, plan, *, scale=None, route="auto", imp
 
   def run_mosaic():
     _require_u_layout("gdn.replay_decode", bufs)
+    _slots.without_read_copy("gdn.replay_decode[pallas_mosaic]", bufs)
     from replayssm_jax.pallas import gdn_mosaic
     return gdn_mosaic.replay_decode(q, k, v, g, beta, bufs, plan, scale=scale, route=route)
 
@@ -244,6 +249,7 @@ def replay_verify(q, k, v, g, beta, bufs, plan, *, lengths=None, scale=None, fol
     (o [B, T, Hv, V] in v's dtype, zeros on padding rows and padded lanes; bufs).
   """
   _check_buffers(bufs)
+  _slots.without_read_copy("gdn.replay_verify", bufs)
   b = _check_verify_inputs(q, k, v, g, beta, num_k_heads=bufs.num_k_heads,
                            num_v_heads=bufs.num_v_heads, head_k_dim=bufs.head_k_dim,
                            head_v_dim=bufs.head_v_dim)

@@ -67,9 +67,10 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
   if route == "reconstruct":
     Sk = jnp.einsum("bhvk,bhk->bhv", S_prev, kh, precision=HIGHEST)
     Sq = jnp.einsum("bhvk,bhk->bhv", S_prev, qh, precision=HIGHEST)
-  else:
-    Sk = _read(Sc, rk, ru, w, total, kh)
-    Sq = _read(Sc, rk, ru, w, total, qh)
+  else:   # the readouts come from the read copy when there is one (the fold from the checkpoint)
+    Sr = Sc if bufs.read_copy is None else _slots.gather(bufs.read_copy, slots).astype(f32)
+    Sk = _read(Sr, rk, ru, w, total, kh)
+    Sq = _read(Sr, rk, ru, w, total, qh)
   u = beta_[..., None] * (v - alpha * Sk)
   o = alpha * Sq + u * jnp.sum(kh * qh, axis=-1, keepdims=True)
   valid = slots >= 0
@@ -108,7 +109,11 @@ def _append_and_fold(bufs: ReplayBuffers, plan: ReplayPlan, lanes, k, u, g, v, b
   bufs = bufs.replace(**new)
   if fold == "exact":
     S_fold = _exact_replay(bufs, plan.slots, plan.base, plan.fold_length())
-  return bufs.replace(state=_slots.scatter_rows(bufs.state, jnp.where(plan.flush, plan.slots, -1), S_fold))
+  flushing = jnp.where(plan.flush, plan.slots, -1)
+  bufs = bufs.replace(state=_slots.scatter_rows(bufs.state, flushing, S_fold))
+  if bufs.read_copy is not None:
+    bufs = bufs.replace(read_copy=_slots.scatter_rows(bufs.read_copy, flushing, S_fold))
+  return bufs
 
 
 def _exact_replay(bufs: ReplayBuffers, slots, base, length):

@@ -116,7 +116,9 @@ def replay_decode(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
     bufs: mamba2.ReplayBuffers, updated in place under donation.
     plan: ReplayPlan from ``cursor.plan(slots)``.
     route: "output_only" (S_t·C from checkpoint and ring, never build S), "reconstruct" (rebuild
-      S_{t-1}) or "auto" ("pallas_mosaic" implements the reconstruct route only).
+      S_{t-1}) or "auto" ("pallas_mosaic" implements the reconstruct route only). Buffers with a
+      read copy (``ReplayBuffers.read_copy``) read it instead of the checkpoint, on the
+      output_only route.
     implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic".
 
   Returns:
@@ -132,6 +134,9 @@ def replay_decode(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
     raise ValueError(f"replay_decode takes plans with num_tokens=1; got num_tokens={plan.num_tokens}")
   if route not in ROUTES:
     raise ValueError(f"route={route!r}; expected one of {ROUTES}")
+  if bufs.read_copy is not None and route == "reconstruct":
+    raise NotImplementedError("mamba2.replay_decode: route='reconstruct' with a read copy (the step "
+                              "reads the copy on the output_only route only)")
   softplus = _check_softplus(dt_softplus)
 
   def run_xla():
@@ -145,6 +150,7 @@ def replay_decode(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
                                        dt_softplus=softplus, route=route)
 
   def run_mosaic():
+    _slots.without_read_copy("mamba2.replay_decode[pallas_mosaic]", bufs)
     from replayssm_jax.pallas import mamba2_mosaic
     return mamba2_mosaic.replay_decode(x, dt, A, B, C, bufs, plan, D=D, z=z, dt_bias=dt_bias,
                                        dt_softplus=softplus, route=route)
@@ -242,6 +248,7 @@ def replay_verify(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
     (y [B, T, H, P] in x's dtype, zeros on padding rows and padded lanes; bufs).
   """
   _check_buffers(bufs)
+  _slots.without_read_copy("mamba2.replay_verify", bufs)
   b = _check_verify_inputs(x, dt, A, B, C, D, z, dt_bias, num_heads=bufs.num_heads, head_dim=bufs.head_dim,
                            state_dim=bufs.state_dim, num_groups=bufs.num_groups)
   _slots.check_plan(plan, bufs, b, "x")

@@ -64,6 +64,8 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   if route == "reconstruct":
     y = jnp.einsum("bhpn,bhn->bhp", S_new, Ch, precision=HIGHEST)
   else:  # S_t C = a (S_{t-1} C) + (B_t·C) Δx_t, with S_{t-1} C read from checkpoint and ring
+    if bufs.read_copy is not None:   # the readout from the read copy (the fold from the checkpoint)
+      win = (_slots.gather(bufs.read_copy, slots).astype(jnp.float32),) + tuple(win[1:])
     y = (jnp.exp(dA)[..., None] * replay.read(*win, Ch)
          + jnp.sum(Bh * Ch, axis=-1, keepdims=True) * dx)
 
@@ -75,9 +77,12 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   ring_a = bufs.ring_a.at[idx, :, pos].set(dA, mode="drop")
 
   # Flushing rows: checkpoint = S_t (window and token 0 folded).
-  state = _slots.scatter_rows(bufs.state, jnp.where(plan.flush, slots, -1), S_new)
-  return (_finish(y, x32, D, z, slots, x.dtype),
-          bufs.replace(state=state, ring_x=ring_x, ring_B=ring_B, ring_a=ring_a))
+  flushing = jnp.where(plan.flush, slots, -1)
+  bufs = bufs.replace(state=_slots.scatter_rows(bufs.state, flushing, S_new), ring_x=ring_x,
+                      ring_B=ring_B, ring_a=ring_a)
+  if bufs.read_copy is not None:
+    bufs = bufs.replace(read_copy=_slots.scatter_rows(bufs.read_copy, flushing, S_new))
+  return _finish(y, x32, D, z, slots, x.dtype), bufs
 
 
 def materialize(bufs: ReplayBuffers, slots, base, length):

@@ -6,6 +6,14 @@ from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.models import _conv
 
 
+def check_conventional(bufs) -> None:
+  """Conventional decode (``replay=False``) writes the checkpoint pool every step and would leave a
+  read copy stale: refused."""
+  if bufs.read_copy is not None:
+    raise ValueError("decode(replay=False) with a cache made with read_copy_dtype: conventional "
+                     "decode would leave the read copy stale; use replay=True or a cache without one")
+
+
 class ConvMixer:
   cache_type: type
 

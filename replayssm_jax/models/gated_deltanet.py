@@ -148,16 +148,17 @@ class GatedDeltaNet(_mixer.ConvMixer, nnx.Module):
   # ---- cache -------------------------------------------------------------------------------
 
   def init_cache(self, num_slots: int, cursor: ReplayCursor, *, state_dtype=jnp.float32,
-                 ring_dtype=None) -> GdnLayerCache:
+                 ring_dtype=None, read_copy_dtype=None) -> GdnLayerCache:
     """Zeroed cache for ``num_slots`` slots; the ring size comes from the (shared) ``cursor``.
 
-    ``ring_dtype=None`` stores the ring in the state dtype (see ``gdn.ReplayBuffers.create``).
+    ``ring_dtype=None`` stores the ring in the state dtype; ``read_copy_dtype`` adds the
+    checkpoint's 16-bit read copy (see ``gdn.ReplayBuffers``).
     """
     c = self.config
     bufs = gdn.ReplayBuffers.create(num_slots, cursor, num_k_heads=c.num_k_heads,
                                     num_v_heads=c.num_v_heads, head_k_dim=c.head_k_dim,
                                     head_v_dim=c.head_v_dim, state_dtype=state_dtype,
-                                    ring_dtype=ring_dtype)
+                                    ring_dtype=ring_dtype, read_copy_dtype=read_copy_dtype)
     conv_state = jnp.zeros((num_slots, c.conv_kernel - 1, c.conv_dim), c.dtype)
     return GdnLayerCache(conv_state=conv_state, bufs=bufs)
 
@@ -270,6 +271,7 @@ class GatedDeltaNet(_mixer.ConvMixer, nnx.Module):
     if replay:
       o, bufs = gdn.replay_decode(q, k, v, g, beta, cache.bufs, plan, implementation=implementation)
     else:
+      _mixer.check_conventional(cache.bufs)
       o, state = gdn.decode(q, k, v, g, beta, cache.bufs.state, slots, implementation=implementation)
       bufs = cache.bufs.replace(state=state)
     y = jnp.where(live[:, None], self._output(o, z), 0)

@@ -423,8 +423,8 @@ class LM(nnx.Module):
     return [m for b in self.blocks for m in b.mixers]
 
   def init_cache(self, num_slots: int, *, buffer_len: int = 16, max_draft: int = 0,
-                 state_dtype=jnp.float32, ring_dtype=None, max_len: int | None = None,
-                 kv_dtype=None, verify_stacks: bool = False) -> LMCache:
+                 state_dtype=jnp.float32, ring_dtype=None, read_copy_dtype=None,
+                 max_len: int | None = None, kv_dtype=None, verify_stacks: bool = False) -> LMCache:
     """Zeroed cache for ``num_slots`` slots.
 
     Args:
@@ -433,6 +433,9 @@ class LM(nnx.Module):
       max_draft: rings sized for ``verify`` steps of up to ``max_draft`` drafts
         (``num_tokens <= max_draft + 1``).
       state_dtype, ring_dtype: recurrent checkpoint and ring dtypes (``ReplayBuffers.create``).
+      read_copy_dtype: None, or bfloat16 / float16 for a 16-bit read copy of every float32
+        checkpoint, which ReplaySSM decode steps read instead (``gdn.ReplayBuffers.read_copy``;
+        plain decode only: ``verify`` and ``replay=False`` refuse such a cache).
       max_len: KV capacity in tokens per slot (prompt + generated + drafts); required when the
         model has attention layers.
       kv_dtype: KV cache dtype (default: the model dtype).
@@ -448,7 +451,8 @@ class LM(nnx.Module):
       if isinstance(m, Attention):
         layers.append(m.init_cache(num_slots, max_len, dtype=kv_dtype))
       else:
-        layers.append(m.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype))
+        layers.append(m.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype,
+                                   read_copy_dtype=read_copy_dtype))
     positions = jnp.zeros((num_slots,), jnp.int32)
     if not verify_stacks:
       return LMCache(layers=tuple(layers), cursor=cursor, positions=positions)

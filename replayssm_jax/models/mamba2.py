@@ -166,12 +166,14 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
   # ---- cache -------------------------------------------------------------------------------
 
   def init_cache(self, num_slots: int, cursor: ReplayCursor, *, state_dtype=jnp.float32,
-                 ring_dtype=None) -> Mamba2LayerCache:
-    """Zeroed cache for ``num_slots`` slots; the ring size comes from the (shared) ``cursor``."""
+                 ring_dtype=None, read_copy_dtype=None) -> Mamba2LayerCache:
+    """Zeroed cache for ``num_slots`` slots; the ring size comes from the (shared) ``cursor``;
+    ``read_copy_dtype`` adds the checkpoint's 16-bit read copy (see ``mamba2.ReplayBuffers``)."""
     c = self.config
     bufs = mamba2.ReplayBuffers.create(num_slots, cursor, num_heads=c.num_heads, head_dim=c.head_dim,
                                        num_groups=c.num_groups, state_dim=c.state_dim,
-                                       state_dtype=state_dtype, ring_dtype=ring_dtype)
+                                       state_dtype=state_dtype, ring_dtype=ring_dtype,
+                                       read_copy_dtype=read_copy_dtype)
     conv_state = jnp.zeros((num_slots, c.conv_kernel - 1, c.conv_dim), c.dtype)
     return Mamba2LayerCache(conv_state=conv_state, bufs=bufs)
 
@@ -312,6 +314,7 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
       y, bufs = mamba2.replay_decode(xs, dt, A, B, C, cache.bufs, plan, D=D, dt_bias=dt_bias,
                                      dt_softplus=softplus, implementation=implementation)
     else:
+      _mixer.check_conventional(cache.bufs)
       y, state = mamba2.decode(xs, dt, A, B, C, cache.bufs.state, slots, D=D, dt_bias=dt_bias,
                                dt_softplus=softplus, implementation=implementation)
       bufs = cache.bufs.replace(state=state)

@@ -84,9 +84,12 @@ def _window_product(A, K, key_dtype):
 
 
 def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_ref, ring_k_ref,
-                 ring_u_ref, ring_g_ref, out_ref, *, group, block_v, block_k, ring_size, row_slots,
+                 ring_u_ref, ring_g_ref, *out_refs, group, block_v, block_k, ring_size, row_slots,
                  into_checkpoint, tiles_per_program):
   """out = e^G S_c + Σ_j w_j u_j k_jᵀ over ``length`` entries from ``base``, for listed rows.
+
+  ``out_refs``: (out,), or (read copy, out, read copy out) when the checkpoint has a read copy
+  (``into_checkpoint`` only), which gets the same tiles rounded to its dtype.
 
   Grid (V/BV · K/BK / tiles_per_program, H, row_slots): program (t, h, z) folds
   ``tiles_per_program`` [BV, BK] tiles of batch rows ``rows[z], rows[z + row_slots], …`` below
@@ -95,6 +98,7 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_
   into_checkpoint: out is the (aliased) checkpoint, indexed by slot. Otherwise out is a fresh
   [B, H, V, K] f32 array indexed by row; padding rows get zeros.
   """
+  out_ref, copy_ref = (out_refs[0], None) if len(out_refs) == 1 else out_refs[1:]
   t0, h, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   num_k_tiles = state_ref.shape[-1] // block_k
   tiles = []   # (rows, columns) of this program's tiles
@@ -120,6 +124,8 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_
                               lambda rows, tile_k=tile_k: ring_k_ref.at[s, hk, rows, tile_k],
                               lambda rows, tile=tile: ring_u_ref.at[s, h, rows, tile], ring_size)
         out_ref[s if into_checkpoint else b, h, tile, tile_k] = S.astype(out_ref.dtype)
+        if copy_ref is not None:
+          copy_ref[s, h, tile, tile_k] = S.astype(copy_ref.dtype)
 
     if not into_checkpoint:
       @pl.when(s < 0)
@@ -133,11 +139,13 @@ def _fold_kernel(rows_ref, num_rows_ref, slots_ref, base_ref, length_ref, state_
 
 
 def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, cfg, row_slots,
-         interpret, into_checkpoint, name, tiles_per_program=1):
+         interpret, into_checkpoint, name, tiles_per_program=1, read_copy=None):
   """The fold kernel over ``rows[:num_rows]`` of the batch: into the checkpoint ``state`` (aliased)
   or into a fresh f32 array [B, H, V, K]. ``cfg`` a KernelConfig: the [block_v, block_k] tile;
   ``tiles_per_program`` (a power of two) of them per program, reduced to the largest power of two
-  that divides a head's tile count (Mamba2's P = 80 has 5 row tiles), so every tile is folded."""
+  that divides a head's tile count (Mamba2's P = 80 has 5 row tiles), so every tile is folded.
+  ``read_copy`` (into the checkpoint only): the checkpoint's 16-bit read copy, written with it
+  (aliased); then returns (state, read_copy)."""
   _, h, vd, kd = state.shape
   batch = slots.shape[0]
   tiles = (vd // cfg.block_v) * (kd // cfg.block_k)
@@ -146,20 +154,24 @@ def fold(state, ring_k, ring_u, ring_g, slots, base, length, rows, num_rows, *, 
                              block_k=cfg.block_k, ring_size=ring_g.shape[-1], row_slots=row_slots,
                              into_checkpoint=into_checkpoint, tiles_per_program=tiles_per_program)
   if into_checkpoint:
-    out, aliases = jax.ShapeDtypeStruct(state.shape, state.dtype), {5: 0}
+    out, aliases = [jax.ShapeDtypeStruct(state.shape, state.dtype)], {5: 0}
   else:
-    out, aliases = jax.ShapeDtypeStruct((batch, h, vd, kd), f32), {}
+    out, aliases = [jax.ShapeDtypeStruct((batch, h, vd, kd), f32)], {}
   args = (rows, jnp.reshape(num_rows, (1,)).astype(jnp.int32), slots, base, length, state,
           ring_k, ring_u, ring_g)
-  common.require_triton_addressable(name, state=state, ring_k=ring_k, ring_u=ring_u, out=out)
+  if read_copy is not None:
+    if not into_checkpoint:
+      raise ValueError("fold: a read copy is written with the checkpoint only (into_checkpoint=True)")
+    out, aliases, args = out + [jax.ShapeDtypeStruct(read_copy.shape, read_copy.dtype)], {5: 0, 9: 1}, args + (read_copy,)
+  common.require_triton_addressable(name, state=state, ring_k=ring_k, ring_u=ring_u, out=out[0])
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  (result,) = pl.pallas_call(
+  result = pl.pallas_call(
       kernel, grid=(tiles // tiles_per_program, h, row_slots), in_specs=[any_spec] * len(args),
-      out_specs=[any_spec],
-      out_shape=[out], input_output_aliases=aliases, name=name, interpret=interpret,
+      out_specs=[any_spec] * len(out),
+      out_shape=out, input_output_aliases=aliases, name=name, interpret=interpret,
       compiler_params=plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
   )(*args)
-  return result
+  return result[0] if read_copy is None else tuple(result)
 
 
 def compact_rows(flags):
@@ -178,11 +190,13 @@ def compact_rows(flags):
 
 
 def fold_flushing_rows(state, ring_k, ring_u, ring_g, plan: ReplayPlan, *, cfg, row_slots,
-                       interpret, name, tiles_per_program=1):
+                       interpret, name, tiles_per_program=1, read_copy=None):
   """The flush pass after a step kernel appended token 0: flushing rows fold
-  ``plan.fold_length()`` entries (window + token 0) into their checkpoint; returns the state."""
+  ``plan.fold_length()`` entries (window + token 0) into their checkpoint; returns the state, or
+  (state, read copy) when given the checkpoint's ``read_copy``."""
   # Compact the flushing rows to the front so the fold grid is sized for them, not for the batch.
   rows = compact_rows(plan.flush)
   return fold(state, ring_k, ring_u, ring_g, plan.slots, plan.base, plan.fold_length(), rows,
               jnp.sum(plan.flush), cfg=cfg, row_slots=row_slots, interpret=interpret,
-              into_checkpoint=True, name=name, tiles_per_program=tiles_per_program)
+              into_checkpoint=True, name=name, tiles_per_program=tiles_per_program,
+              read_copy=read_copy)

@@ -292,9 +292,10 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
     return o[:, 0], bufs
   kernel = functools.partial(_replay_step_kernel, scale=scale, group=hv // hk, block_v=step.block_v,
                              block_k=step.block_k, ring_size=bufs.ring_size)
+  checkpoint = bufs.state if bufs.read_copy is None else bufs.read_copy   # what the step reads
   o, ring_k, ring_u, ring_g = _pallas(
       kernel, (plan.slots, plan.base, plan.count, q, k, v, g, beta,
-               bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
+               checkpoint, bufs.ring_k, bufs.ring_u, bufs.ring_g),
       grid=(vd // step.block_v, hk, batch),
       out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
       + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (bufs.ring_k, bufs.ring_u, bufs.ring_g)],
@@ -341,11 +342,15 @@ def reconstruct(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret)
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
   """The flush pass after a step kernel appended token 0 (``fold_triton.fold_flushing_rows``):
   flushing rows fold ``plan.fold_length()`` entries (window + token 0) into their checkpoint,
-  ``cfg.fold_tiles`` tiles per program; returns the buffers."""
-  return bufs.replace(state=fold_triton.fold_flushing_rows(
+  ``cfg.fold_tiles`` tiles per program, the read copy (if any) written with the checkpoint;
+  returns the buffers."""
+  folded = fold_triton.fold_flushing_rows(
       bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g, plan, cfg=cfg.fold,
       row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_gdn_fold",
-      tiles_per_program=cfg.fold_tiles))
+      tiles_per_program=cfg.fold_tiles, read_copy=bufs.read_copy)
+  if bufs.read_copy is None:
+    return bufs.replace(state=folded)
+  return bufs.replace(state=folded[0], read_copy=folded[1])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -417,6 +422,12 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
                               f"supported by this kernel")
   if route not in ROUTES:
     raise ValueError(f"route={route!r}; expected one of {ROUTES}")
+  if bufs.read_copy is not None:
+    # The step reads the read copy and the fold pass writes it with the checkpoint: the
+    # output-only route, also for plans where every row flushes (no fold-and-step pass).
+    if route == "reconstruct":
+      raise NotImplementedError(f"{op}: route='reconstruct' with a read copy")
+    route, plan = "output_only", plan.replace(flush_all=False)
   if plan.flush_all:
     # Every row flushes: one fold-and-step pass (the routes differ only in how they read S).
     common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)

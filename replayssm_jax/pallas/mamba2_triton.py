@@ -291,7 +291,9 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
   kernel = functools.partial(_replay_kernel, group=h // bufs.num_groups, heads=step.heads,
                              block_p=step.block_p, block_n=step.block_n, ring_size=bufs.ring_size,
                              route=cfg.route, softplus=dt_softplus)
-  buffers = {"state": bufs.state, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
+  # The output-only route only reads the checkpoint: from the read copy when there is one.
+  checkpoint = bufs.state if bufs.read_copy is None else bufs.read_copy
+  buffers = {"state": checkpoint, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
   out = _pallas(kernel,
                 {"slots": plan.slots, "base": plan.base, "count": plan.count,
                  "flush": plan.flush.astype(jnp.int32),
@@ -300,20 +302,25 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
                 {k: k + "_out" for k in buffers},
                 grid=(p // step.block_p, h // step.heads, batch), cfg=step,
                 name="replayssm_mamba2_replay_step", interpret=interpret)
-  bufs = bufs.replace(**{k: out[k + "_out"] for k in buffers})
+  bufs = bufs.replace(**{k: out[k + "_out"] for k in buffers if k != "state"},
+                      **{"state" if bufs.read_copy is None else "read_copy": out["state_out"]})
   return out["y_out"], fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
 
 
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
   """Output-only route: flushing rows fold window + token 0 (``plan.fold_length()`` entries, the
   token already appended) into their checkpoint (``fold_triton.fold_flushing_rows``; ring_B is the
-  key ring, ring_x the value ring, ring_a the log decays). The reconstruct route stored them."""
+  key ring, ring_x the value ring, ring_a the log decays; the read copy, if any, written with the
+  checkpoint). The reconstruct route stored them."""
   if cfg.route == "reconstruct":
     return bufs
-  return bufs.replace(state=fold_triton.fold_flushing_rows(
+  folded = fold_triton.fold_flushing_rows(
       bufs.state, bufs.ring_B, bufs.ring_x, bufs.ring_a, plan, cfg=cfg.fold,
       row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_mamba2_fold",
-      tiles_per_program=cfg.fold_tiles))
+      tiles_per_program=cfg.fold_tiles, read_copy=bufs.read_copy)
+  if bufs.read_copy is None:
+    return bufs.replace(state=folded)
+  return bufs.replace(state=folded[0], read_copy=folded[1])
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
@@ -402,6 +409,12 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
     raise ValueError(f"heads={heads!r}; expected an int >= 1")
   h, p, n = bufs.num_heads, bufs.head_dim, bufs.state_dim
   _check_sizes(op, p, n)
+  if bufs.read_copy is not None:
+    # The step reads the read copy and the fold pass writes it with the checkpoint: the
+    # output-only route, also for plans where every row flushes (no fold-and-step pass).
+    if route == "reconstruct":
+      raise NotImplementedError(f"{op}: route='reconstruct' with a read copy")
+    route, plan = "output_only", plan.replace(flush_all=False)
   if plan.flush_all:
     # Every row flushes: one pass like the conventional decode (the routes differ only in how
     # they read S; ``heads`` has no meaning for this grid).

@@ -1,0 +1,195 @@
+"""The checkpoint's 16-bit read copy (``ReplayBuffers.create(read_copy_dtype=...)``), GDN and Mamba2.
+
+Decode steps read the copy, every write of the checkpoint writes it: after every op the copy equals
+``state.astype(copy dtype)``. Checked against the float64 oracles on both sides of every flush, for
+the XLA path and the Pallas-Triton kernels (interpreted on CPU); Mamba2's checkpoint must equal
+the run without a copy bit for bit (its update never reads the state).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import replayssm_jax as rs
+from replayssm_jax import models
+from replayssm_jax.models.attention import AttentionConfig
+from tests.helpers import gdn_step_f64, make_gdn_step
+from tests.test_mamba2_ops import make_params, make_step, mamba2_step_f64
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+IMPLS = ("xla", "pallas_triton")
+NUM_SLOTS, L = 6, 4
+SLOTS = np.array([0, 3, -1, 5, 2], np.int32)        # a padding row; slots 1 and 4 unused
+
+
+def _gdn_bufs(cursor, read_copy_dtype):
+  return rs.gdn.ReplayBuffers.create(NUM_SLOTS, cursor, num_k_heads=2, num_v_heads=4, head_k_dim=16,
+                                     head_v_dim=8, ring_dtype=bf16, read_copy_dtype=read_copy_dtype)
+
+
+def _mamba2_bufs(cursor, read_copy_dtype):
+  return rs.mamba2.ReplayBuffers.create(NUM_SLOTS, cursor, num_heads=4, head_dim=8, num_groups=2,
+                                        state_dim=16, ring_dtype=bf16, read_copy_dtype=read_copy_dtype)
+
+
+def _assert_copy_in_step(bufs, what):
+  np.testing.assert_array_equal(np.asarray(bufs.read_copy.astype(f32)),
+                                np.asarray(bufs.state.astype(bf16).astype(f32)), err_msg=what)
+
+
+def _run(family, implementation, read_copy_dtype, *, steps=2 * L + 1, flush_all_at=(), seed=0):
+  """Decodes ``steps`` tokens from a random prefilled state; returns per-step outputs, the final
+  buffers, the float64 oracle's outputs and states, and whether the copy stayed in step."""
+  rng = np.random.default_rng(seed)
+  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=L)
+  mk, ops = (_gdn_bufs, rs.gdn) if family == "gdn" else (_mamba2_bufs, rs.mamba2)
+  bufs = mk(cursor, read_copy_dtype)
+  S0 = 0.5 * rng.normal(size=bufs.state.shape).astype(np.float32)
+  bufs, cursor = ops.write_state(bufs, cursor, jnp.arange(NUM_SLOTS, dtype=jnp.int32), jnp.asarray(S0))
+  exact = {s: S0[s].astype(np.float64)[None] for s in SLOTS if s >= 0}
+  live = SLOTS >= 0
+  params = make_params(rng, 4) if family == "mamba2" else None
+  outs, oracle = [], []
+  for t in range(steps):
+    plan = cursor.plan(jnp.asarray(SLOTS), flush_all=t in flush_all_at)
+    if family == "gdn":
+      step = make_gdn_step(rng, len(SLOTS), 2, 4, 16, 8)
+      o, bufs = ops.replay_decode(*step.as_jax(bf16), bufs, plan, implementation=implementation)
+      seen = step.rounded(bf16)
+      ref = {}
+      for i, s in enumerate(SLOTS):
+        if s >= 0:
+          row = type(seen)(*(np.asarray(getattr(seen, f))[i:i + 1] for f in ("q", "k", "v", "g", "beta")))
+          ref[s], exact[s] = gdn_step_f64(exact[s], row)
+    else:
+      step = make_step(rng, len(SLOTS), 4, 2, 8, 16)
+      o, bufs = ops.replay_decode(**step.as_jax(bf16), A=jnp.asarray(params.A), bufs=bufs, plan=plan,
+                                  D=jnp.asarray(params.D), dt_bias=jnp.asarray(params.dt_bias),
+                                  implementation=implementation)
+      seen = step.rounded(bf16)
+      ref = {}
+      for i, s in enumerate(SLOTS):
+        if s >= 0:
+          ref[s], exact[s] = mamba2_step_f64(exact[s], seen.map(lambda a, i=i: a[i:i + 1]), params)
+    cursor = cursor.commit(plan)
+    if read_copy_dtype is not None:
+      _assert_copy_in_step(bufs, f"{family} {implementation}, step {t}")
+    outs.append(np.asarray(o.astype(f32)))
+    oracle.append({s: r[0] for s, r in ref.items()})
+    assert np.all(outs[-1][~live] == 0)
+  materialized = np.asarray(ops.materialize(bufs, cursor, jnp.asarray(SLOTS[live])))
+  return outs, bufs, oracle, {s: exact[s][0] for s in exact}, materialized
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+@pytest.mark.parametrize("implementation", IMPLS)
+def test_read_copy_against_float64(family, implementation):
+  outs, _, oracle, exact, materialized = _run(family, implementation, bf16)
+  plain, _, _, _, plain_materialized = _run(family, implementation, None)
+  live = [s for s in SLOTS if s >= 0]
+  scale = max(np.max(np.abs(r)) for step in oracle for r in step.values())
+  for t, (o, ref) in enumerate(zip(outs, oracle)):
+    for i, s in enumerate(SLOTS):
+      if s >= 0:
+        err = np.max(np.abs(o[i] - ref[s])) / scale
+        assert err < 2e-2, f"{family} {implementation} step {t} slot {s}: {err:.2e}"
+  # The copy is what the step reads: the outputs differ from the exact checkpoint's, by about one
+  # bf16 rounding.
+  diff = max(np.max(np.abs(a - b)) for a, b in zip(outs, plain)) / scale
+  assert 0 < diff < 2e-2, diff
+  state_err = max(np.max(np.abs(materialized[j] - exact[s])) for j, s in enumerate(live))
+  assert state_err < 2e-2 * max(np.max(np.abs(exact[s])) for s in live), state_err
+  if family == "mamba2":   # the update never reads the state: the checkpoint is the exact run's
+    np.testing.assert_array_equal(materialized, plain_materialized)
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_read_copy_kernel_matches_xla(family):
+  """Pallas-Triton against XLA with a copy, through flushes and a plan where every row flushes
+  (the small-batch policy's, which the kernel path steps and folds separately with a copy)."""
+  runs = {impl: _run(family, impl, bf16, flush_all_at=(2,)) for impl in IMPLS}
+  (xo, xb, *_), (to, tb, *_) = runs["xla"], runs["pallas_triton"]
+  scale = max(np.max(np.abs(o)) for o in xo)
+  assert max(np.max(np.abs(a - b)) for a, b in zip(xo, to)) / scale < 1e-2
+  # The bf16 ring rounds the corrected values u of both paths: states agree to the ring's precision.
+  np.testing.assert_allclose(np.asarray(tb.state), np.asarray(xb.state),
+                             atol=1e-2 * float(np.max(np.abs(np.asarray(xb.state)))))
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_write_state_and_copy_slots_keep_the_copy(family):
+  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=L)
+  mk, ops = (_gdn_bufs, rs.gdn) if family == "gdn" else (_mamba2_bufs, rs.mamba2)
+  bufs = mk(cursor, bf16)
+  S = jax.random.normal(jax.random.PRNGKey(0), (2,) + bufs.state.shape[1:])
+  bufs, cursor = ops.write_state(bufs, cursor, jnp.array([1, 4], jnp.int32), S)
+  _assert_copy_in_step(bufs, "write_state")
+  assert bool(jnp.any(bufs.read_copy[1] != 0))
+  bufs, cursor = ops.copy_slots(bufs, cursor, jnp.array([4], jnp.int32), jnp.array([0], jnp.int32))
+  _assert_copy_in_step(bufs, "copy_slots")
+  np.testing.assert_array_equal(np.asarray(bufs.read_copy[0]), np.asarray(bufs.read_copy[4]))
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_read_copy_errors(family):
+  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=L, max_draft=1)
+  mk, ops = (_gdn_bufs, rs.gdn) if family == "gdn" else (_mamba2_bufs, rs.mamba2)
+  create = rs.gdn.ReplayBuffers.create if family == "gdn" else rs.mamba2.ReplayBuffers.create
+  dims = (dict(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8) if family == "gdn" else
+          dict(num_heads=4, head_dim=8, num_groups=2, state_dim=16))
+  with pytest.raises(ValueError, match="read_copy_dtype=float32"):
+    create(NUM_SLOTS, cursor, **dims, read_copy_dtype=f32)
+  with pytest.raises(ValueError, match="state_dtype=bfloat16"):
+    create(NUM_SLOTS, cursor, **dims, state_dtype=bf16, read_copy_dtype=bf16)
+  bufs = mk(cursor, bf16)
+  slots = jnp.array([0, 1], jnp.int32)
+  if family == "gdn":
+    step = make_gdn_step(np.random.default_rng(0), 2, 2, 4, 16, 8).as_jax(bf16)
+    decode = lambda plan, **kw: rs.gdn.replay_decode(*step, bufs, plan, **kw)
+    verify = lambda plan: rs.gdn.replay_verify(*(x[:, None].repeat(2, 1) for x in step), bufs, plan)
+  else:
+    rng = np.random.default_rng(0)
+    st, p = make_step(rng, 2, 4, 2, 8, 16).as_jax(bf16), make_params(rng, 4)
+    kw0 = dict(A=jnp.asarray(p.A), D=jnp.asarray(p.D), dt_bias=jnp.asarray(p.dt_bias))
+    decode = lambda plan, **kw: rs.mamba2.replay_decode(**st, **kw0, bufs=bufs, plan=plan, **kw)
+    verify = lambda plan: rs.mamba2.replay_verify(
+        **{k: v[:, None].repeat(2, 1) for k, v in st.items()}, **kw0, bufs=bufs, plan=plan)
+  for impl in (None, "xla", "pallas_triton"):
+    with pytest.raises(NotImplementedError, match="reconstruct"):
+      decode(cursor.plan(slots), route="reconstruct", implementation=impl)
+  with pytest.raises(NotImplementedError, match="read copy"):
+    decode(cursor.plan(slots), implementation="pallas_mosaic")
+  with pytest.raises(NotImplementedError, match="read copy"):
+    verify(cursor.plan(slots, num_tokens=2))
+
+
+@pytest.mark.parametrize("layer_types", [("gdn", "mamba2", "attention")])
+def test_model_decode_with_a_read_copy(layer_types):
+  """An LM whose cache has read copies: replay decode runs (XLA on CPU) close to the exact cache;
+  conventional decode and verify refuse it."""
+  config = models.LMConfig(vocab_size=64, hidden_size=32, num_layers=3, layer_types=layer_types,
+                           num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+                           mamba2_num_heads=4, mamba2_head_dim=8, mamba2_num_groups=2,
+                           mamba2_state_dim=8, intermediate_size=64, max_prompt_len=8,
+                           attention=AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=8))
+  model = models.LM(config, rngs=nnx.Rngs(0))
+  tokens = jnp.array([[1, 2, 3, 4], [5, 6, 0, 0]], jnp.int32)
+  lengths = jnp.array([4, 2], jnp.int32)
+  slots = jnp.array([0, 1], jnp.int32)
+  logits = {}
+  for copy in (None, bf16):
+    cache = model.init_cache(2, buffer_len=2, max_len=16, read_copy_dtype=copy)
+    _, cache = model.prefill(tokens, cache, slots, lengths)
+    out = []
+    tok = jnp.array([7, 8], jnp.int32)
+    for _ in range(5):          # through two flushes at L = 2
+      lg, cache = model.decode(tok, cache, slots)
+      out.append(np.asarray(lg, np.float32))
+      tok = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+    logits[copy] = np.stack(out)
+    if copy is not None:
+      with pytest.raises(ValueError, match="read_copy_dtype"):
+        model.decode(tok, cache, slots, replay=False)
+  a, b = logits[None], logits[bf16]
+  assert 0 < np.max(np.abs(a - b)) < 5e-2 * np.max(np.abs(a))
