@@ -83,6 +83,7 @@ class Options:
   buffer_lens: tuple = (8, 16, 32)
   folds: tuple = FOLDS
   ring_dtype: str | None = None
+  read_copy_dtypes: tuple = ()        # replay arms over float32 checkpoints with a 16-bit read copy
   implementation: str | None = None
   # GDN Hk, Hv, K, V and Mamba2 H, P, G, N.
   gdn_dims: tuple = (2, 4, 64, 64)
@@ -227,10 +228,10 @@ class Gdn(_Family):
     self._update(S, St, mask)
     return np.matmul(St, qh[..., None])[..., 0]
 
-  def buffers(self, cursor, dtype, fold):
+  def buffers(self, cursor, dtype, fold, read_copy=None):
     return rs.gdn.ReplayBuffers.create(
         self.rows, cursor, num_k_heads=self.hk, num_v_heads=self.hv, head_k_dim=self.kd,
-        head_v_dim=self.vd, state_dtype=dtype, ring_dtype=self.ring_dtype,
+        head_v_dim=self.vd, state_dtype=dtype, ring_dtype=self.ring_dtype, read_copy_dtype=read_copy,
         **({} if fold in (None, "default") else {"fold": fold}))
 
 
@@ -275,10 +276,10 @@ class Mamba2(_Family):
     self._update(S, St, mask)
     return np.matmul(St, Ch[..., None])[..., 0]
 
-  def buffers(self, cursor, dtype, fold):
+  def buffers(self, cursor, dtype, fold, read_copy=None):
     return rs.mamba2.ReplayBuffers.create(
         self.rows, cursor, num_heads=self.h, head_dim=self.p, num_groups=self.g, state_dim=self.n,
-        state_dtype=dtype, ring_dtype=self.ring_dtype)   # Mamba2 has one fold
+        state_dtype=dtype, ring_dtype=self.ring_dtype, read_copy_dtype=read_copy)   # one fold
 
 
 def family(name, opts):
@@ -361,8 +362,9 @@ def _out_zeros(fam, prm):
   return jnp.zeros(shape, f32)
 
 
-def run_arm(fam, kind, dtype, L, fold, prm, ref, samples, program_cache):
-  """Errors of one arm at the sample steps (a dict of lists)."""
+def run_arm(fam, kind, dtype, L, fold, prm, ref, samples, program_cache, read_copy=None):
+  """Errors of one arm at the sample steps (a dict of lists); ``read_copy``: the replay buffers'
+  read copy dtype."""
   if kind not in program_cache:
     program_cache[kind] = _segment_program(fam, kind)
   prog = program_cache[kind]
@@ -370,7 +372,7 @@ def run_arm(fam, kind, dtype, L, fold, prm, ref, samples, program_cache):
     carry = fam.conv_init(dtype)
   else:
     cursor = rs.ReplayCursor.create(fam.rows, buffer_len=L)
-    carry = (fam.buffers(cursor, dtype, fold), cursor)
+    carry = (fam.buffers(cursor, dtype, fold, read_copy), cursor)
   o = _out_zeros(fam, prm)
   t, series = 0, {"step": [], "o_err": [], "state_err": []}
   t_start = time.perf_counter()
@@ -536,7 +538,7 @@ def excess_over_conventional(result: dict) -> None:
   flush_steps = set(result["samples"]["flush_steps"])
   for s in result["series"]:
     c = conv.get((s["family"], s["regime"], s["state_dtype"]))
-    if s.get("status") != "ok" or s["arm"] != "replay" or c is None:
+    if s.get("status") != "ok" or s["arm"] not in ("replay", "replay-read-copy") or c is None:
       continue
     at_c = {t: i for i, t in enumerate(c["step"])}
     pairs = [(i, at_c[t]) for i, t in enumerate(s["step"]) if t in flush_steps and t >= min_step and t in at_c]
@@ -662,17 +664,20 @@ def study(opts: Options, *, out_json=None, meta=None, log=common.log) -> dict:
       t0 = time.perf_counter()
       ref = reference(fam, prm, opts.steps, samples)
       log(f"{fname}/{regime}: float64 reference over {opts.steps} steps in {time.perf_counter() - t0:.1f}s")
-      arms = [("conv", dt, None, None) for dt in opts.dtypes]
-      arms += [("replay", dt, L, fold) for fold in (folds if fname == "gdn" else ("default",))
+      arms = [("conv", dt, None, None, None) for dt in opts.dtypes]
+      arms += [("replay", dt, L, fold, None) for fold in (folds if fname == "gdn" else ("default",))
                for dt in opts.dtypes for L in opts.buffer_lens]
-      for kind, dt, L, fold in arms:
-        where = {"family": fname, "regime": regime, "arm": "replay" if kind == "replay" else "conventional",
-                 "state_dtype": dt, "buffer_len": L, "fold": fold}
+      arms += [("replay", "float32", L, "default", copy) for copy in opts.read_copy_dtypes
+               for L in opts.buffer_lens]
+      for kind, dt, L, fold, copy in arms:
+        name = "conventional" if kind == "conv" else ("replay" if copy is None else "replay-read-copy")
+        where = {"family": fname, "regime": regime, "arm": name, "state_dtype": dt, "buffer_len": L,
+                 "fold": fold, **({"read_copy_dtype": copy} if copy else {})}
         if out_of_time():
           result["skipped"].append({**where, "why": "max_seconds"})
           continue
         try:
-          s = run_arm(fam, kind, dt, L, fold, prm, ref, samples, programs)
+          s = run_arm(fam, kind, dt, L, fold, prm, ref, samples, programs, read_copy=copy)
           s.update(where)
           s["ring_dtype"] = (opts.ring_dtype or dt) if kind == "replay" else None
           s["flushes"] = [(t + 1) // L for t in s["step"]] if L else None
@@ -758,7 +763,8 @@ def summary_rows(result: dict) -> list[list[str]]:
     ex = fs.get("excess")
     excess = (f"{ex['per_kstep']:+.4f} [{ex['per_kstep_ci95'][0]:+.4f}, {ex['per_kstep_ci95'][1]:+.4f}] "
               f"{ex['verdict']}" if ex else "-")
-    rows.append([s["family"], s["regime"], s["arm"], s["state_dtype"], str(s["buffer_len"] or "-"),
+    state = s["state_dtype"] + (f" + {s['read_copy_dtype']} copy" if s.get("read_copy_dtype") else "")
+    rows.append([s["family"], s["regime"], s["arm"], state, str(s["buffer_len"] or "-"),
                  str(s["fold"] or "-"), f"{s['state_err'][-1]:.2e}", f"{max(s['state_err']):.2e}",
                  f"{s['o_err'][-1]:.2e}", ss, sci, fs.get("verdict", "-"),
                  f"{fs['rise_decades']:+.3f}" if fs else "-", so, excess])
@@ -794,6 +800,8 @@ def parse_args(argv):
   p.add_argument("--buffer-lens", type=_csv(int), default=None, help="L values (default 8,16,32)")
   p.add_argument("--folds", type=_csv(str), default=None, help="GDN fold modes, if the library has them")
   p.add_argument("--ring-dtype", default=None, help="ring dtype (default: the library's, = checkpoint dtype)")
+  p.add_argument("--read-copy-dtypes", type=_csv(str), default=None,
+                 help="replay arms over float32 checkpoints with a read copy of these dtypes (bfloat16,float16)")
   p.add_argument("--implementation", default=None, help="None (auto), xla, pallas_triton, ...")
   p.add_argument("--gdn-dims", type=_csv(int), default=None, help="Hk,Hv,K,V (default 2,4,64,64)")
   p.add_argument("--mamba2-dims", type=_csv(int), default=None, help="H,P,G,N (default 4,64,1,64)")
@@ -825,7 +833,8 @@ def parse_args(argv):
       fields[f.name] = v
   opts = Options(**fields)
   for name, allowed in (("families", FAMILIES), ("regimes", REGIMES), ("dtypes", DTYPES),
-                        ("model_dtypes", DTYPES), ("spec_dtypes", DTYPES)):
+                        ("model_dtypes", DTYPES), ("spec_dtypes", DTYPES),
+                        ("read_copy_dtypes", ("bfloat16", "float16"))):
     bad = [x for x in (getattr(opts, name) or ()) if x not in allowed]
     if bad:
       p.error(f"--{name} {bad}: expected some of {allowed}")
