@@ -339,3 +339,32 @@ def test_resume_of_a_damaged_directory_names_the_file(tmp_path):
   (tmp_path / "engine.json").write_text('{"model_config": {"vocab_size": 3}}')
   with pytest.raises(ValueError, match=r"engine.json is not a valid engine state"):
     Engine.resume(tmp_path)
+
+
+def test_read_copy_engine(model, tmp_path):
+  """EngineConfig(read_copy_dtype=): requests run to their exact lengths, prefix snapshots and
+  preempt/resume keep every slot's read copy equal to its rounded checkpoint; drafts and
+  conventional decode refuse the option."""
+  import jax.numpy as jnp
+  config = dataclasses.replace(PREFIX_SYNC, read_copy_dtype="bfloat16")
+  shared = RNG.randint(1, 256, 16).tolist()   # a common prefix: the later requests hit its snapshot
+
+  def start():
+    engine = Engine(model, config)
+    for i in range(4):
+      engine.submit(shared + PROMPTS[i], max_new_tokens=NEW[i], request_id=f"r{i}")
+    return engine
+
+  full, expected, _, resumed = preempted(start, 5, tmp_path / "ckpt")
+  assert [len(expected[f"r{i}"]) for i in range(4)] == NEW
+  assert resumed.run() == expected
+  for engine in (full, resumed):
+    layers = [lc for lc in engine.cache.layers if hasattr(lc, "bufs")]
+    assert layers
+    for lc in layers:
+      np.testing.assert_array_equal(np.asarray(lc.bufs.read_copy.astype(jnp.float32)),
+                                    np.asarray(lc.bufs.state.astype(jnp.bfloat16).astype(jnp.float32)))
+  with pytest.raises(NotImplementedError, match="speculative verify"):
+    EngineConfig(**BASE, read_copy_dtype="bfloat16", num_drafts=2)
+  with pytest.raises(ValueError, match="replay=False"):
+    EngineConfig(**BASE, read_copy_dtype="bfloat16", replay=False)

@@ -128,6 +128,9 @@ class EngineConfig:
       models with attention layers; None = max_prompt_len + 1024. A request that could exceed
       it is refused at ``submit``.
     state_dtype, ring_dtype: cache dtypes (see ``LM.init_cache``).
+    read_copy_dtype: None, or "bfloat16" / "float16": a 16-bit read copy of every float32
+      checkpoint that decode steps read (``LM.init_cache(read_copy_dtype=)``, bench/RESULTS.md
+      "Read copy"); ReplaySSM decode without drafts only.
     implementation: forwarded to the GDN / Mamba2 ops (None = fastest available).
     overlap: dispatch each step from the previous step's tokens on the device before the host
       reads them, so the host's bookkeeping of step t runs while step t + 1 computes (see the
@@ -151,6 +154,7 @@ class EngineConfig:
   max_seq_len: int | None = None
   state_dtype: str = "float32"
   ring_dtype: str | None = None
+  read_copy_dtype: str | None = None
   implementation: str | None = None
   overlap: bool | None = None
 
@@ -185,6 +189,13 @@ class EngineConfig:
         raise ValueError(f"{name}={value!r}; expected None or an int >= 1")
     if not isinstance(self.replay, bool):
       raise ValueError(f"replay={self.replay!r}; expected a bool")
+    if self.read_copy_dtype is not None:
+      if not self.replay:
+        raise ValueError(f"read_copy_dtype={self.read_copy_dtype!r} with replay=False: only ReplaySSM "
+                         f"decode reads the copy (conventional decode would leave it stale)")
+      if self.num_drafts:
+        raise NotImplementedError(f"read_copy_dtype={self.read_copy_dtype!r} with num_drafts="
+                                  f"{self.num_drafts}: speculative verify does not keep a read copy")
     if self.overlap is not None and not isinstance(self.overlap, bool):
       raise ValueError(f"overlap={self.overlap!r}; expected None or a bool")
     if self.overlap and self.prefix_block and self.num_drafts:
@@ -914,6 +925,7 @@ def _init_cache(model: LM, config: EngineConfig, max_seq_len: int):
       config.num_slots, buffer_len=config.buffer_len, max_draft=config.num_drafts,
       state_dtype=jnp.dtype(config.state_dtype),
       ring_dtype=None if config.ring_dtype is None else jnp.dtype(config.ring_dtype),
+      read_copy_dtype=None if config.read_copy_dtype is None else jnp.dtype(config.read_copy_dtype),
       max_len=max_seq_len, verify_stacks=not config.replay and config.num_drafts > 0)
 
 
