@@ -182,7 +182,8 @@ for ax, (fam, regime) in zip(axes[0], panels):
   for s in rows:
     f = s["fit"]["state_err"]
     key = "per_kflush" if "per_kflush" in f else "per_kstep"
-    arm = {"conventional": "conv (/1000 steps)", "replay": "replay", "replay-spec": "spec"}[s["arm"]]
+    arm = {"conventional": "conv (/1000 steps)", "replay": "replay", "replay-spec": "spec",
+           "replay-read-copy": "replay, bf16 copy"}[s["arm"]]
     dt = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[s["state_dtype"]]
     L = f" L{s['buffer_len']}" if s["buffer_len"] else ""
     fold = f" {s['fold']}" if s["fold"] not in (None, "default") else ""

@@ -67,7 +67,8 @@ def load_results(paths):
     except (OSError, ValueError) as e:
       print(f"skip {path.name}: {type(e).__name__}")
       continue
-    timed = [r for r in data.get("rows", []) if isinstance(r, dict) and r.get("median_ms")]
+    rows_of = data.get("rows", []) if isinstance(data, dict) else []
+    timed = [r for r in rows_of if isinstance(r, dict) and r.get("median_ms")]
     if not timed:
       print(f"skip {path.name}: no timed rows")
       continue

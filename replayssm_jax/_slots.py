@@ -55,6 +55,16 @@ def check_read_copy(read_copy_dtype, state_dtype):
   return dtype
 
 
+def refresh_read_copy(bufs, slots):
+  """``bufs`` with the read copy of ``slots`` (negative: skipped) rounded from their stored
+  checkpoint; no-op without a read copy. Reading the stored rows back, rather than rounding the
+  values that were scattered into them, keeps copy == round(checkpoint) exact even where XLA
+  computes the scattered values twice, in two fusions that round differently (seen on the CPU)."""
+  if bufs.read_copy is None:
+    return bufs
+  return bufs.replace(read_copy=scatter_rows(bufs.read_copy, slots, gather(bufs.state, slots)))
+
+
 def without_read_copy(op: str, bufs) -> None:
   """Ops that write the checkpoint in a kernel of their own do not keep a read copy in step."""
   if bufs.read_copy is not None:

@@ -111,9 +111,7 @@ def _append_and_fold(bufs: ReplayBuffers, plan: ReplayPlan, lanes, k, u, g, v, b
     S_fold = _exact_replay(bufs, plan.slots, plan.base, plan.fold_length())
   flushing = jnp.where(plan.flush, plan.slots, -1)
   bufs = bufs.replace(state=_slots.scatter_rows(bufs.state, flushing, S_fold))
-  if bufs.read_copy is not None:
-    bufs = bufs.replace(read_copy=_slots.scatter_rows(bufs.read_copy, flushing, S_fold))
-  return bufs
+  return _slots.refresh_read_copy(bufs, flushing)
 
 
 def _exact_replay(bufs: ReplayBuffers, slots, base, length):

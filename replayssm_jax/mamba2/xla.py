@@ -80,9 +80,7 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   flushing = jnp.where(plan.flush, slots, -1)
   bufs = bufs.replace(state=_slots.scatter_rows(bufs.state, flushing, S_new), ring_x=ring_x,
                       ring_B=ring_B, ring_a=ring_a)
-  if bufs.read_copy is not None:
-    bufs = bufs.replace(read_copy=_slots.scatter_rows(bufs.read_copy, flushing, S_new))
-  return _finish(y, x32, D, z, slots, x.dtype), bufs
+  return _finish(y, x32, D, z, slots, x.dtype), _slots.refresh_read_copy(bufs, flushing)
 
 
 def materialize(bufs: ReplayBuffers, slots, base, length):
