@@ -126,9 +126,7 @@ def window_of(cursor, slots):
 @jax.jit
 def _write_state(bufs, cursor, slots, S):
   bufs = bufs.replace(state=scatter_rows(bufs.state, slots, S))
-  if bufs.read_copy is not None:
-    bufs = bufs.replace(read_copy=scatter_rows(bufs.read_copy, slots, S))
-  return bufs, cursor.reset(slots)
+  return refresh_read_copy(bufs, slots), cursor.reset(slots)
 
 
 def write_state(op: str, bufs, cursor, slots, S, implementation, what: str):
