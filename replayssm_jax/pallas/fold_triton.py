@@ -200,3 +200,22 @@ def fold_flushing_rows(state, ring_k, ring_u, ring_g, plan: ReplayPlan, *, cfg, 
               jnp.sum(plan.flush), cfg=cfg, row_slots=row_slots, interpret=interpret,
               into_checkpoint=True, name=name, tiles_per_program=tiles_per_program,
               read_copy=read_copy)
+
+
+def replace_folded(bufs, folded):
+  """``bufs`` (either family) with what ``fold_flushing_rows`` returned: the state, or the state and
+  the read copy."""
+  if bufs.read_copy is None:
+    return bufs.replace(state=folded)
+  return bufs.replace(state=folded[0], read_copy=folded[1])
+
+
+def read_copy_route(op: str, bufs, route: str, plan: ReplayPlan):
+  """(route, plan) for a replay step over ``bufs``: with a read copy the step reads the copy and
+  the fold pass writes it with the checkpoint, so the output-only route, also for plans where
+  every row flushes (no fold-and-step pass). The reconstruct route stores S itself: refused."""
+  if bufs.read_copy is None:
+    return route, plan
+  if route == "reconstruct":
+    raise NotImplementedError(f"{op}: route='reconstruct' with a read copy")
+  return "output_only", plan.replace(flush_all=False)

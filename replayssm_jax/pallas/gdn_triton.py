@@ -348,9 +348,7 @@ def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
       bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g, plan, cfg=cfg.fold,
       row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_gdn_fold",
       tiles_per_program=cfg.fold_tiles, read_copy=bufs.read_copy)
-  if bufs.read_copy is None:
-    return bufs.replace(state=folded)
-  return bufs.replace(state=folded[0], read_copy=folded[1])
+  return fold_triton.replace_folded(bufs, folded)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -422,12 +420,7 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
                               f"supported by this kernel")
   if route not in ROUTES:
     raise ValueError(f"route={route!r}; expected one of {ROUTES}")
-  if bufs.read_copy is not None:
-    # The step reads the read copy and the fold pass writes it with the checkpoint: the
-    # output-only route, also for plans where every row flushes (no fold-and-step pass).
-    if route == "reconstruct":
-      raise NotImplementedError(f"{op}: route='reconstruct' with a read copy")
-    route, plan = "output_only", plan.replace(flush_all=False)
+  route, plan = fold_triton.read_copy_route(op, bufs, route, plan)
   if plan.flush_all:
     # Every row flushes: one fold-and-step pass (the routes differ only in how they read S).
     common.require_pow2(op, K=bufs.head_k_dim, V=bufs.head_v_dim, R=bufs.ring_size)

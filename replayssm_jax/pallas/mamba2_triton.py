@@ -318,9 +318,7 @@ def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):
       bufs.state, bufs.ring_B, bufs.ring_x, bufs.ring_a, plan, cfg=cfg.fold,
       row_slots=cfg.fold_rows, interpret=interpret, name="replayssm_mamba2_fold",
       tiles_per_program=cfg.fold_tiles, read_copy=bufs.read_copy)
-  if bufs.read_copy is None:
-    return bufs.replace(state=folded)
-  return bufs.replace(state=folded[0], read_copy=folded[1])
+  return fold_triton.replace_folded(bufs, folded)
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
@@ -409,12 +407,7 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
     raise ValueError(f"heads={heads!r}; expected an int >= 1")
   h, p, n = bufs.num_heads, bufs.head_dim, bufs.state_dim
   _check_sizes(op, p, n)
-  if bufs.read_copy is not None:
-    # The step reads the read copy and the fold pass writes it with the checkpoint: the
-    # output-only route, also for plans where every row flushes (no fold-and-step pass).
-    if route == "reconstruct":
-      raise NotImplementedError(f"{op}: route='reconstruct' with a read copy")
-    route, plan = "output_only", plan.replace(flush_all=False)
+  route, plan = fold_triton.read_copy_route(op, bufs, route, plan)
   if plan.flush_all:
     # Every row flushes: one pass like the conventional decode (the routes differ only in how
     # they read S; ``heads`` has no meaning for this grid).
