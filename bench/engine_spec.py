@@ -12,7 +12,9 @@ B, each a fresh ``Engine`` with ``max_running = B`` and one batch bucket B:
 
 and, named in ``--arms`` only, ``decode-replay-overlap`` / ``decode-conv-overlap`` /
 ``spec-replay-overlap`` / ``spec-conv-overlap`` (those arms with ``EngineConfig.overlap``: each
-step dispatched before the host reads the previous one's tokens; drafts made on the device).
+step dispatched before the host reads the previous one's tokens; drafts made on the device), and
+``decode-replay-overlap-copy`` / ``spec-replay-copy`` / ``spec-replay-overlap-copy`` (ReplaySSM
+arms over a bf16 read copy of the float32 checkpoint, ``EngineConfig.read_copy_dtype``).
 
 Timed: the decode phase, from the first step after the last request was admitted to the last
 step, on the host clock (every step ends in a host read of its tokens, so the clock sees the
@@ -58,12 +60,15 @@ from bench.model_e2e import model_config
 from replayssm_jax.models import make_model
 from replayssm_jax.serving import Engine, EngineConfig
 
-ARMS = {"decode-replay": (False, True, False), "decode-conv": (False, False, False),
-        "spec-replay": (True, True, False), "spec-conv": (True, False, False),
-        "decode-replay-overlap": (False, True, True),
-        "decode-conv-overlap": (False, False, True),
-        "spec-replay-overlap": (True, True, True),
-        "spec-conv-overlap": (True, False, True)}   # name: (drafting, replay, overlap)
+ARMS = {"decode-replay": (False, True, False, False), "decode-conv": (False, False, False, False),
+        "spec-replay": (True, True, False, False), "spec-conv": (True, False, False, False),
+        "decode-replay-overlap": (False, True, True, False),
+        "decode-conv-overlap": (False, False, True, False),
+        "spec-replay-overlap": (True, True, True, False),
+        "spec-conv-overlap": (True, False, True, False),
+        "decode-replay-overlap-copy": (False, True, True, True),
+        "spec-replay-copy": (True, True, False, True),
+        "spec-replay-overlap-copy": (True, True, True, True)}   # name: (drafting, replay, overlap, read copy)
 DEFAULT_ARMS = ("decode-replay", "decode-conv", "spec-replay", "spec-conv")
 
 
@@ -154,17 +159,19 @@ def _serve(model, config, prompts, new_tokens):
 
 def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps,
             prefill_tokens, prefix_block=0, prefix_slots=0):
-  drafting, replay, overlap = ARMS[arm]
+  drafting, replay, overlap, copy = ARMS[arm]
   k = drafts if drafting else 0
   config = EngineConfig(max_running=batch, batch_buckets=(batch,), replay=replay, num_drafts=k,
                         overlap=overlap, prefix_block=prefix_block, prefix_slots=prefix_slots,
                         prefill_tokens=prefill_tokens,
                         buffer_len=buffer_len, max_prompt_len=len(prompts[0]),
-                        max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype)
+                        max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype,
+                        read_copy_dtype="bfloat16" if copy else None)
   _serve(model, config, prompts, new_tokens)       # compiles prefill, decode and verify
   runs = sorted((_serve(model, config, prompts, new_tokens) for _ in range(reps)), key=lambda r: r[1])
   tokens, seconds, steps, generated, drafted, accepted, split, hits = runs[len(runs) // 2]
   return {"arm": arm, "replay": replay, "num_drafts": k, "buffer_len": config.buffer_len,
+          "read_copy_dtype": config.read_copy_dtype,
           "overlapped": config.overlapped, "prefix_block": prefix_block, "prefix_hit_tokens": hits,
           "seconds": seconds, "all_seconds": [r[1] for r in runs], "steps": steps,
           "generated": generated, "tokens_per_s": generated / seconds,

@@ -2,7 +2,7 @@
 
     python -m bench.verify_decode [--family gdn|mamba2] [--tokens 2,4,8] [--batches 1,32,128,256]
                                   [--buffer-len 16] [--state-dtypes float32,bfloat16]
-                                  [--arms replay-pallas,replay-xla,conv-pallas,conv-xla]
+                                  [--arms replay-pallas,replay-xla,conv-pallas,conv-xla,replay-pallas-copy]
                                   [--out-json F] [--markdown F]
     python -m bench.verify_decode --smoke      # tiny CPU run (seconds); the test suite runs it
 
@@ -10,7 +10,9 @@ Families (``--family``): ``gdn`` — one Qwen3.5-4B GDN layer (Hk 16, Hv 32, K =
 ``rs.gdn.replay_verify`` / ``rs.gdn.verify_conventional``; ``mamba2`` — one Nemotron-3-Super layer
 (H 128, P 64, N 128, G 8), ``rs.mamba2.replay_verify`` / ``rs.mamba2.verify_conventional``. Only the
 public ops are called, with implementation "pallas_triton" (``*-pallas`` arms), "pallas_mosaic"
-(``replay-mosaic``, speed-up against conv-pallas) or "xla"; an
+(``replay-mosaic``, speed-up against conv-pallas) or "xla"; ``replay-pallas-copy`` is
+replay-pallas over buffers with a bf16 read copy of the float32 checkpoint (``read_copy_dtype``,
+float32 state only; its gate is the XLA op over the same buffers). An
 implementation that is not available yet is recorded as a skipped row. Activations bf16, g / dt
 float32, ring in ``--ring-dtype`` (bf16).
 
@@ -51,7 +53,7 @@ import replayssm_jax as rs
 from bench import common
 from bench.common import hash_normal, hash_uniform, l2_normalize
 
-ARMS = ("replay-pallas", "replay-xla", "conv-pallas", "conv-xla", "replay-mosaic")
+ARMS = ("replay-pallas", "replay-xla", "conv-pallas", "conv-xla", "replay-mosaic", "replay-pallas-copy")
 DEFAULT_ARMS = ARMS[:4]   # replay-mosaic (Hopper; interpreted on CPU: slow) by name
 
 
@@ -69,15 +71,14 @@ class Family:
     g = self.geo
     return (g["hv"], g["vd"], g["kd"]) if self.name == "gdn" else (g["h"], g["p"], g["n"])
 
-  def buffers(self, num_slots, cursor, state_dtype, ring_dtype):
+  def buffers(self, num_slots, cursor, state_dtype, ring_dtype, read_copy_dtype=None):
     g = self.geo
+    dtypes = dict(state_dtype=state_dtype, ring_dtype=ring_dtype, read_copy_dtype=read_copy_dtype)
     if self.name == "gdn":
       return rs.gdn.ReplayBuffers.create(num_slots, cursor, num_k_heads=g["hk"], num_v_heads=g["hv"],
-                                         head_k_dim=g["kd"], head_v_dim=g["vd"], state_dtype=state_dtype,
-                                         ring_dtype=ring_dtype)
+                                         head_k_dim=g["kd"], head_v_dim=g["vd"], **dtypes)
     return rs.mamba2.ReplayBuffers.create(num_slots, cursor, num_heads=g["h"], head_dim=g["p"],
-                                          num_groups=g["g"], state_dim=g["n"], state_dtype=state_dtype,
-                                          ring_dtype=ring_dtype)
+                                          num_groups=g["g"], state_dim=g["n"], **dtypes)
 
   def bank(self, seed, sets, batch, t, act_dtype):
     """``sets`` random input sets [S, B, T, ...] (activations in act_dtype, decays float32)."""
@@ -124,13 +125,17 @@ class Family:
                                    implementation=impl)
 
   def launch_config(self, bufs, plan, knobs=()) -> str:
-    """The Pallas replay verify's resolved launch config (route and tiles) for these buffers."""
+    """The Pallas replay verify's resolved launch config (route and tiles) for these buffers (with
+    a read copy: the output-only route, as the wrapper forces)."""
     batch = plan.slots.shape[0]
+    from replayssm_jax.pallas import fold_triton
     if self.name == "gdn":
       from replayssm_jax.pallas import gdn_verify_triton as kernels
     else:
       from replayssm_jax.pallas import mamba2_verify_triton as kernels
-    return repr(kernels.verify_cfg("bench", bufs, plan, batch, **dict(knobs)))
+    knobs = dict(knobs)
+    route, plan = fold_triton.read_copy_route("bench", bufs, knobs.pop("route", None), plan)
+    return repr(kernels.verify_cfg("bench", bufs, plan, batch, route=route, **knobs))
 
   def conventional(self, inputs, stack, slots, read_index, impl):
     if self.name == "gdn":
@@ -163,12 +168,18 @@ class Setup:
   cycle_steps: int
   seed: int
   knobs: tuple = ()   # launch overrides of the replay-pallas or replay-mosaic arm, sorted pairs
+  read_copy_dtype: str | None = None   # replay-pallas-copy: the checkpoint's read copy
 
 
-def memory_per_request(family: Family, t: int, buffer_len: int, state_dtype: str, ring_dtype: str) -> dict:
-  """Bytes per request and layer from the buffer shapes (module doc)."""
+READ_COPY_DTYPE = "bfloat16"
+
+
+def memory_per_request(family: Family, t: int, buffer_len: int, state_dtype: str, ring_dtype: str,
+                       read_copy_dtype=None) -> dict:
+  """Bytes per request and layer from the buffer shapes (module doc; the read copy counts as ring-
+  side bytes of the replay buffers)."""
   cursor = rs.ReplayCursor.create(1, buffer_len=buffer_len, max_draft=t - 1)
-  bufs = jax.eval_shape(lambda: family.buffers(1, cursor, state_dtype, ring_dtype))
+  bufs = jax.eval_shape(lambda: family.buffers(1, cursor, state_dtype, ring_dtype, read_copy_dtype))
   replay = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(bufs))
   state = math.prod(family.state_shape()) * common.itemsize(state_dtype)
   return {"replay": replay, "replay_state": state, "replay_rings": replay - state,
@@ -199,7 +210,7 @@ def init(setup: Setup, family_kind: str):
     read_index = jnp.asarray(rng.integers(0, t, size=B).astype(np.int32))
     return (stack, read_index, o, step), (bank, slots)
   cursor = rs.ReplayCursor.create(P * B, buffer_len=setup.buffer_len, max_draft=t - 1)
-  bufs = f.buffers(P * B, cursor, setup.state_dtype, setup.ring_dtype)
+  bufs = f.buffers(P * B, cursor, setup.state_dtype, setup.ring_dtype, setup.read_copy_dtype)
   R = cursor.ring_size
   rings = {}
   for i, name in enumerate(x for x in ("ring_k", "ring_u", "ring_x", "ring_B") if getattr(bufs, x, None) is not None):
@@ -209,6 +220,8 @@ def init(setup: Setup, family_kind: str):
   decay = "ring_g" if f.name == "gdn" else "ring_a"
   rings[decay] = -hash_uniform(seed + 9, getattr(bufs, decay).shape, 0.01, 0.5)
   bufs = bufs.replace(state=state, **rings)
+  if bufs.read_copy is not None:   # the copy is the rounded checkpoint
+    bufs = bufs.replace(read_copy=state.astype(bufs.read_copy.dtype))
   # Staggered phases: counts spread over [0, L-1], random bases (every slot of every layer).
   count = jnp.asarray(rng.integers(0, setup.buffer_len, size=P * B).astype(np.int32))
   base = jnp.asarray(rng.integers(0, R, size=P * B).astype(np.int32))
@@ -253,14 +266,19 @@ def first_output(setup: Setup, kind: str, impl: str, carry, consts):
 
 
 def run_arm(setup: Setup, arm: str, args) -> dict:
-  kind, impl = arm.split("-")
+  kind, impl, *copy = arm.split("-")
   impl = {"pallas": "pallas_triton", "xla": "xla", "mosaic": "pallas_mosaic"}[impl]
+  if copy:
+    setup = dataclasses.replace(setup, read_copy_dtype=READ_COPY_DTYPE)
   if setup.knobs:
     arm = f"{arm}[{' '.join(f'{k}={v}' for k, v in setup.knobs)}]"
   row = {"arm": arm, "family": setup.family.name, "kind": kind, "impl": impl, "batch": setup.batch,
          "num_tokens": setup.num_tokens, "buffer_len": setup.buffer_len, "state_dtype": setup.state_dtype,
          "ring_dtype": setup.ring_dtype, "layers": setup.layers, "cycle_steps": setup.cycle_steps,
-         "status": "pending", "error": None}
+         "read_copy_dtype": setup.read_copy_dtype, "status": "pending", "error": None}
+  if copy and setup.state_dtype != "float32":
+    row.update(status="skipped", error=f"a read copy needs a float32 checkpoint, not {setup.state_dtype}")
+    return row
   try:
     t0 = time.perf_counter()
     carry, consts = jax.jit(init, static_argnums=(0, 1))(setup, kind)
@@ -419,6 +437,8 @@ def main(argv=None) -> dict:
     for t in args.tokens:
       mem = memory_per_request(family, t, args.buffer_len, sdt, args.ring_dtype)
       memory.append({"family": family.name, "state_dtype": sdt, "num_tokens": t, **mem})
+      mem_copy = (memory_per_request(family, t, args.buffer_len, sdt, args.ring_dtype, READ_COPY_DTYPE)
+                  if "replay-pallas-copy" in args.arms and sdt == "float32" else None)
       for B in args.batches:
         P = layers_for(state_bytes, B, sdt, args.target_bytes, args.max_layers)
         setup = Setup(family, B, t, args.buffer_len, P, sdt, args.ring_dtype, args.act_dtype, args.bank,
@@ -428,7 +448,8 @@ def main(argv=None) -> dict:
           if arm.endswith("xla") and args.xla_batches is not None and B not in args.xla_batches:
             continue
           row = run_arm(dataclasses.replace(setup, knobs=knobs), arm, args)
-          row.update(memory_per_request=mem["replay" if row["kind"] == "replay" else "conv_t_plus_1"])
+          used = mem_copy if row["read_copy_dtype"] and mem_copy else mem
+          row.update(memory_per_request=used["replay" if row["kind"] == "replay" else "conv_t_plus_1"])
           rows.append(row)
           common.log(f"{family.name} {sdt} T={t} B={B} P={P} {row['arm']}: {row['status']} "
                      f"{common.fmt_float(row.get('median_ms'), '.4f')} ms/layer-step"

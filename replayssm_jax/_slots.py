@@ -65,6 +65,15 @@ def refresh_read_copy(bufs, slots):
   return bufs.replace(read_copy=scatter_rows(bufs.read_copy, slots, gather(bufs.state, slots)))
 
 
+def readout_window(bufs, slots, window):
+  """``window`` (``replay.gather_window``'s tuple, checkpoint rows first) with the checkpoint rows
+  taken from the read copy when there is one: what the readouts replay from. The folds replay from
+  ``window`` itself (the float32 checkpoint)."""
+  if bufs.read_copy is None:
+    return window
+  return (gather(bufs.read_copy, slots).astype(jnp.float32),) + tuple(window[1:])
+
+
 def without_read_copy(op: str, bufs) -> None:
   """Ops that write the checkpoint in a kernel of their own do not keep a read copy in step."""
   if bufs.read_copy is not None:

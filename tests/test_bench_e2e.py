@@ -63,6 +63,17 @@ def test_engine_spec_overlapped_drafting_smoke():
              for r in rows[2:])
 
 
+def test_engine_spec_read_copy_smoke():
+  # The read-copy arms: plain decode, synchronous and overlapped drafting over a bf16 read copy of
+  # the float32 checkpoint emit the same tokens, and the drafting arms accept drafts.
+  arms = ["decode-replay-overlap-copy", "spec-replay-copy", "spec-replay-overlap-copy"]
+  out = engine_spec.main(["--smoke", "--model", "looping", "--prompts", "repetitive", "--arms", ",".join(arms)])
+  rows = out["result"]["rows"]
+  assert [(r["arm"], r["read_copy_dtype"]) for r in rows] == [(a, "bfloat16") for a in arms]
+  assert all(r["identical_to_baseline"] == 1.0 for r in rows)
+  assert rows[1]["accepted"] > 0 and (rows[2]["drafted"], rows[2]["accepted"]) == (rows[1]["drafted"], rows[1]["accepted"])
+
+
 def test_engine_spec_prefix_caching_smoke():
   # With prefix caching on prompts that share their first half, the overlapped decode arm emits
   # the synchronous arm's tokens, and the snapshots serve every request after the first.

@@ -48,13 +48,16 @@ class VerifyHarness:
   conv_state (stack entry at the accepted index vs oracle).
   """
 
-  def __init__(self, *, max_tokens=4, buffer_len=8, fold="u", num_slots=6, seed=0, conventional=True):
+  def __init__(self, *, max_tokens=4, buffer_len=8, fold="u", num_slots=6, seed=0, conventional=True,
+               read_copy_dtype=None, implementation=None):
     self.geometry = GEOMETRIES["small"]
     hk, hv, kd, vd = self.geometry
     self.rng = np.random.default_rng(seed)
     self.cursor = rs.ReplayCursor.create(num_slots, buffer_len=buffer_len, max_draft=max_tokens - 1)
     self.bufs = rs.gdn.ReplayBuffers.create(num_slots, self.cursor, num_k_heads=hk, num_v_heads=hv,
-                                            head_k_dim=kd, head_v_dim=vd, fold=fold)
+                                            head_k_dim=kd, head_v_dim=vd, fold=fold,
+                                            read_copy_dtype=read_copy_dtype)
+    self.implementation = implementation
     self.conventional = conventional
     self.stack = jnp.zeros((num_slots, max_tokens, hv, vd, kd), jnp.float32)
     self.read_index = np.zeros(num_slots, np.int32)
@@ -103,10 +106,12 @@ class VerifyHarness:
     plan = self.cursor.plan(slots, num_tokens=t, force_flush=None if force is None else jnp.asarray(force))
     state_before, rings_before = np.array(self.bufs.state), self.rings()
     if via == "decode":
-      o, self.bufs = rs.gdn.replay_decode(*(a[:, 0] for a in x), self.bufs, plan)
+      o, self.bufs = rs.gdn.replay_decode(*(a[:, 0] for a in x), self.bufs, plan,
+                                          implementation=self.implementation)
       o = _np(o)[:, None]
     else:
-      o, self.bufs = rs.gdn.replay_verify(*x, self.bufs, plan, lengths=None if lengths is None else jnp.asarray(n))
+      o, self.bufs = rs.gdn.replay_verify(*x, self.bufs, plan, lengths=None if lengths is None else jnp.asarray(n),
+                                          implementation=self.implementation)
       o = _np(o)
     self.cursor = self.cursor.commit(plan, jnp.asarray(acc))
     assert o.shape == (b, t) + self.bufs.state.shape[1:3]

@@ -39,7 +39,8 @@ def _token(step: Step, i, rows) -> Step:
 class VerifyHarness:
   """ReplaySSM buffers + cursor, a conventional state stack and a float64 oracle, stepped together."""
 
-  def __init__(self, *, max_tokens=4, buffer_len=8, num_slots=6, seed=0, conventional=True):
+  def __init__(self, *, max_tokens=4, buffer_len=8, num_slots=6, seed=0, conventional=True,
+               read_copy_dtype=None, implementation=None):
     self.geometry = GEOMETRIES["small"]
     h, g, p, n = self.geometry
     self.rng = np.random.default_rng(seed)
@@ -48,7 +49,8 @@ class VerifyHarness:
                    dt_bias=jnp.asarray(self.params.dt_bias, jnp.float32))
     self.cursor = rs.ReplayCursor.create(num_slots, buffer_len=buffer_len, max_draft=max_tokens - 1)
     self.bufs = rs.mamba2.ReplayBuffers.create(num_slots, self.cursor, num_heads=h, head_dim=p,
-                                               num_groups=g, state_dim=n)
+                                               num_groups=g, state_dim=n, read_copy_dtype=read_copy_dtype)
+    self.implementation = implementation
     self.conventional = conventional
     self.stack = jnp.zeros((num_slots, max_tokens, h, p, n), jnp.float32)
     self.read_index = np.zeros(num_slots, np.int32)
@@ -91,12 +93,13 @@ class VerifyHarness:
     if via == "decode":
       y, self.bufs = rs.mamba2.replay_decode(x["x"][:, 0], x["dt"][:, 0], self.kw["A"], x["B"][:, 0],
                                              x["C"][:, 0], self.bufs, plan, D=self.kw["D"], z=x["z"][:, 0],
-                                             dt_bias=self.kw["dt_bias"])
+                                             dt_bias=self.kw["dt_bias"], implementation=self.implementation)
       y = _np(y)[:, None]
     else:
       y, self.bufs = rs.mamba2.replay_verify(x["x"], x["dt"], self.kw["A"], x["B"], x["C"], self.bufs, plan,
                                              D=self.kw["D"], z=x["z"], dt_bias=self.kw["dt_bias"],
-                                             lengths=None if lengths is None else jnp.asarray(n))
+                                             lengths=None if lengths is None else jnp.asarray(n),
+                                             implementation=self.implementation)
       y = _np(y)
     self.cursor = self.cursor.commit(plan, jnp.asarray(acc))
     assert y.shape == (b, t) + self.bufs.state.shape[1:3]

@@ -1,9 +1,9 @@
 """The checkpoint's 16-bit read copy (``ReplayBuffers.create(read_copy_dtype=...)``), GDN and Mamba2.
 
-Decode steps read the copy, every write of the checkpoint writes it: after every op the copy equals
-``state.astype(copy dtype)``. Checked against the float64 oracles on both sides of every flush, for
-the XLA path and the Pallas-Triton kernels (interpreted on CPU); Mamba2's checkpoint must equal
-the run without a copy bit for bit (its update never reads the state).
+Decode and verify steps read the copy, every write of the checkpoint writes it: after every op the
+copy equals ``state.astype(copy dtype)``. Checked against the float64 oracles on both sides of
+every flush, for the XLA path and the Pallas-Triton kernels (interpreted on CPU); Mamba2's
+checkpoint must equal the run without a copy bit for bit (its update never reads the state).
 """
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,8 @@ from flax import nnx
 import replayssm_jax as rs
 from replayssm_jax import models
 from replayssm_jax.models.attention import AttentionConfig
-from tests.helpers import gdn_step_f64, make_gdn_step
+from tests import test_gdn_verify, test_mamba2_verify
+from tests.helpers import gdn_step_f64, make_gdn_step, max_err, tolerance
 from tests.test_mamba2_ops import make_params, make_step, mamba2_step_f64
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -117,6 +118,43 @@ def test_read_copy_kernel_matches_xla(family):
                              atol=1e-2 * float(np.max(np.abs(np.asarray(xb.state)))))
 
 
+def _verify_run(family, implementation, read_copy_dtype, *, steps=14, num_tokens=3):
+  """The verify harness of tests/test_{gdn,mamba2}_verify.py (random accepts, short rows with NaN
+  lanes, a padding row, forced flushes) with a read copy; returns (harness, outputs per step)."""
+  module = test_gdn_verify if family == "gdn" else test_mamba2_verify
+  h = module.VerifyHarness(max_tokens=num_tokens, buffer_len=L, seed=3, conventional=False,
+                           read_copy_dtype=read_copy_dtype, implementation=implementation)
+  rng = np.random.default_rng(11)
+  h.prefill(range(6))
+  outs = []
+  for t in range(steps):
+    lengths = np.where(rng.random(4) < 0.3, rng.integers(1, num_tokens + 1, size=4), num_tokens)
+    outs.append(h.step(module._staggered_rows(rng, 6, 4, t), num_tokens, lengths=lengths,
+                       force=rng.random(4) < 0.15))
+    if read_copy_dtype is not None:
+      _assert_copy_in_step(h.bufs, f"{family} {implementation} verify step {t}")
+  return h, outs
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_read_copy_verify(family):
+  """replay_verify with a read copy, XLA and Pallas-Triton: outputs and materialized states
+  against float64 within the copy's rounding, the copy in step after every verify, outputs apart
+  from the exact checkpoint's (the copy is what is read), the kernel close to XLA, and Mamba2's
+  checkpoint the copy-free run's bit for bit."""
+  runs = {impl: _verify_run(family, impl, bf16) for impl in IMPLS}
+  plain, plain_outs = _verify_run(family, "xla", None)
+  for impl, (h, _) in runs.items():
+    h.assert_close(tol=tolerance("bfloat16", "float32"))
+    assert h.natural >= 2 and h.forced >= 1, (impl, h.natural, h.forced)
+  (xh, xo), (th, to) = runs["xla"], runs["pallas_triton"]
+  assert 0 < max(max_err(a, b) for a, b in zip(xo, plain_outs)) < tolerance("bfloat16", "float32")
+  assert max(max_err(a, b) for a, b in zip(xo, to)) < tolerance("float32", "float32")
+  np.testing.assert_allclose(np.asarray(th.bufs.state), np.asarray(xh.bufs.state), atol=1e-5)
+  if family == "mamba2":
+    np.testing.assert_array_equal(np.asarray(xh.bufs.state), np.asarray(plain.bufs.state))
+
+
 @pytest.mark.parametrize("family", ["gdn", "mamba2"])
 def test_write_state_and_copy_slots_keep_the_copy(family):
   cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=L)
@@ -147,27 +185,28 @@ def test_read_copy_errors(family):
   if family == "gdn":
     step = make_gdn_step(np.random.default_rng(0), 2, 2, 4, 16, 8).as_jax(bf16)
     decode = lambda plan, **kw: rs.gdn.replay_decode(*step, bufs, plan, **kw)
-    verify = lambda plan: rs.gdn.replay_verify(*(x[:, None].repeat(2, 1) for x in step), bufs, plan)
+    verify = lambda plan, **kw: rs.gdn.replay_verify(*(x[:, None].repeat(2, 1) for x in step), bufs,
+                                                     plan, **kw)
   else:
     rng = np.random.default_rng(0)
     st, p = make_step(rng, 2, 4, 2, 8, 16).as_jax(bf16), make_params(rng, 4)
     kw0 = dict(A=jnp.asarray(p.A), D=jnp.asarray(p.D), dt_bias=jnp.asarray(p.dt_bias))
     decode = lambda plan, **kw: rs.mamba2.replay_decode(**st, **kw0, bufs=bufs, plan=plan, **kw)
-    verify = lambda plan: rs.mamba2.replay_verify(
-        **{k: v[:, None].repeat(2, 1) for k, v in st.items()}, **kw0, bufs=bufs, plan=plan)
+    verify = lambda plan, **kw: rs.mamba2.replay_verify(
+        **{k: v[:, None].repeat(2, 1) for k, v in st.items()}, **kw0, bufs=bufs, plan=plan, **kw)
   for impl in (None, "xla", "pallas_triton"):
     with pytest.raises(NotImplementedError, match="reconstruct"):
       decode(cursor.plan(slots), route="reconstruct", implementation=impl)
   with pytest.raises(NotImplementedError, match="read copy"):
     decode(cursor.plan(slots), implementation="pallas_mosaic")
   with pytest.raises(NotImplementedError, match="read copy"):
-    verify(cursor.plan(slots, num_tokens=2))
+    verify(cursor.plan(slots, num_tokens=2), implementation="pallas_mosaic")
 
 
 @pytest.mark.parametrize("layer_types", [("gdn", "mamba2", "attention")])
 def test_model_decode_with_a_read_copy(layer_types):
   """An LM whose cache has read copies: replay decode runs (XLA on CPU) close to the exact cache;
-  conventional decode and verify refuse it."""
+  conventional decode refuses it."""
   config = models.LMConfig(vocab_size=64, hidden_size=32, num_layers=3, layer_types=layer_types,
                            num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
                            mamba2_num_heads=4, mamba2_head_dim=8, mamba2_num_groups=2,

@@ -343,8 +343,8 @@ def test_resume_of_a_damaged_directory_names_the_file(tmp_path):
 
 def test_read_copy_engine(model, tmp_path):
   """EngineConfig(read_copy_dtype=): requests run to their exact lengths, prefix snapshots and
-  preempt/resume keep every slot's read copy equal to its rounded checkpoint; drafts and
-  conventional decode refuse the option."""
+  preempt/resume keep every slot's read copy equal to its rounded checkpoint; conventional decode
+  refuses the option."""
   import jax.numpy as jnp
   config = dataclasses.replace(PREFIX_SYNC, read_copy_dtype="bfloat16")
   shared = RNG.randint(1, 256, 16).tolist()   # a common prefix: the later requests hit its snapshot
@@ -364,7 +364,5 @@ def test_read_copy_engine(model, tmp_path):
     for lc in layers:
       np.testing.assert_array_equal(np.asarray(lc.bufs.read_copy.astype(jnp.float32)),
                                     np.asarray(lc.bufs.state.astype(jnp.bfloat16).astype(jnp.float32)))
-  with pytest.raises(NotImplementedError, match="speculative verify"):
-    EngineConfig(**BASE, read_copy_dtype="bfloat16", num_drafts=2)
   with pytest.raises(ValueError, match="replay=False"):
     EngineConfig(**BASE, read_copy_dtype="bfloat16", replay=False)

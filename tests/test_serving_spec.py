@@ -125,6 +125,25 @@ def test_speculative_greedy_equals_plain_greedy(model, plain, monkeypatch):
   assert set(shapes) - seen == {(4, 2)} and jitted._cache_size() == before + 1
 
 
+def test_read_copy_drafting_equals_read_copy_plain(model):
+  """EngineConfig(read_copy_dtype=) with drafts: verify reads the read copy as decode does, so the
+  greedy tokens are those of the engine with a read copy and no drafts; drafts hit; every slot's
+  copy is its rounded checkpoint at the end."""
+  tokens = {}
+  for drafts in (0, K):
+    config = EngineConfig(**DRAFTING, num_drafts=drafts, overlap=False, read_copy_dtype="bfloat16")
+    engine = Engine(model, config)
+    for i in (0, 2):
+      engine.submit(PROMPTS[i], max_new_tokens=NEW[i], request_id=f"r{i}")
+    tokens[drafts] = engine.run()
+  assert tokens[K] == tokens[0]
+  assert engine.stats("r0").accepted_drafts >= 2
+  for lc in engine.cache.layers:
+    if isinstance(lc, GdnLayerCache):
+      np.testing.assert_array_equal(np.asarray(lc.bufs.read_copy.astype(jnp.float32)),
+                                    np.asarray(lc.bufs.state.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
 def test_overlapped_drafting_equals_synchronous_drafting(model, plain, tmp_path, monkeypatch):
   plain, _ = plain
   chained = []                       # per speculative dispatch: from the device carry?

@@ -24,8 +24,8 @@ class ReplayBuffers:
     ring_v: [N, Hv, R, V] raw values (ring dtype); ``fold="exact"`` only, else None.
     ring_beta: [N, Hv, R] float32 raw write strengths β; ``fold="exact"`` only, else None.
     read_copy: [N, Hv, V, K] the float32 checkpoint rounded to bfloat16 / float16, or None
-      (``create(read_copy_dtype=...)``). Decode steps read it instead of the checkpoint (half the
-      bytes of every step); every write of the checkpoint writes it too, so it always equals
+      (``create(read_copy_dtype=...)``). Decode and verify steps read it instead of the checkpoint
+      (half the bytes of every step); every write of the checkpoint writes it too, so it always equals
       ``state.astype(read_copy.dtype)``. Outputs and the corrected values u see one rounding of
       S_c to 16 bits per step (S·q, S·k); the checkpoint and the fold stay float32.
     fold: how a flush folds the window into the checkpoint (static):

@@ -244,12 +244,13 @@ def replay_verify(q, k, v, g, beta, bufs, plan, *, lengths=None, scale=None, fol
       "exact" needs buffers created with ``fold="exact"``; "u" works with both layouts.
     implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic" (the
       Pallas ones take fold="u" buffers only; None falls back to XLA for the exact layout).
+      Buffers with a read copy (``ReplayBuffers.read_copy``): the readouts come from the copy,
+      the fold writes both; "pallas_mosaic" does not take them.
 
   Returns:
     (o [B, T, Hv, V] in v's dtype, zeros on padding rows and padded lanes; bufs).
   """
   _check_buffers(bufs)
-  _slots.without_read_copy("gdn.replay_verify", bufs)
   b = _check_verify_inputs(q, k, v, g, beta, num_k_heads=bufs.num_k_heads,
                            num_v_heads=bufs.num_v_heads, head_k_dim=bufs.head_k_dim,
                            head_v_dim=bufs.head_v_dim)
@@ -274,6 +275,7 @@ def replay_verify(q, k, v, g, beta, bufs, plan, *, lengths=None, scale=None, fol
 
   def run_mosaic():
     _require_u_layout("gdn.replay_verify", bufs)
+    _slots.without_read_copy("gdn.replay_verify[pallas_mosaic]", bufs)
     from replayssm_jax.pallas import gdn_mosaic
     return gdn_mosaic.replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=scale)
 

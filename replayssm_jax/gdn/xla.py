@@ -68,9 +68,9 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
     Sk = jnp.einsum("bhvk,bhk->bhv", S_prev, kh, precision=HIGHEST)
     Sq = jnp.einsum("bhvk,bhk->bhv", S_prev, qh, precision=HIGHEST)
   else:   # the readouts come from the read copy when there is one (the fold from the checkpoint)
-    Sr = Sc if bufs.read_copy is None else _slots.gather(bufs.read_copy, slots).astype(f32)
-    Sk = _read(Sr, rk, ru, w, total, kh)
-    Sq = _read(Sr, rk, ru, w, total, qh)
+    read = _slots.readout_window(bufs, slots, (Sc, rk, ru, w, total))
+    Sk = _read(*read, kh)
+    Sq = _read(*read, qh)
   u = beta_[..., None] * (v - alpha * Sk)
   o = alpha * Sq + u * jnp.sum(kh * qh, axis=-1, keepdims=True)
   valid = slots >= 0
@@ -187,15 +187,18 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
       o_s = e^{G_s} hq_s + Σ_{s'≤s} e^{G_s−G_{s'}} (k_{s'}·q_s) U_{s'}.
 
   Every token is appended at ``plan.write_index(i)``; flushing rows fold the committed window and
-  token 0 only (fold="u": S_0 = e^{g_0} S_h + U_0 k_0ᵀ; fold="exact": the raw recurrence).
+  token 0 only (fold="u": S_0 = e^{g_0} S_h + U_0 k_0ᵀ; fold="exact": the raw recurrence). With a
+  read copy, hq and hk replay from the copy; the fold from the checkpoint.
   """
   t = plan.num_tokens
   hv = bufs.num_v_heads
   lanes = _lanes(plan.slots, lengths, t)
   qh, kh, vh, gh, bh = _verify_inputs(q, k, v, g, beta, lanes, hv, scale)
-  S_h = _rebuild(*_window(bufs, plan.slots, plan.base, plan.count))
-  hq = jnp.einsum("bhvk,bhtk->bhtv", S_h, qh, precision=HIGHEST)
-  hk = jnp.einsum("bhvk,bhtk->bhtv", S_h, kh, precision=HIGHEST)
+  win = _window(bufs, plan.slots, plan.base, plan.count)
+  S_h = _rebuild(*win)
+  S_read = S_h if bufs.read_copy is None else _rebuild(*_slots.readout_window(bufs, plan.slots, win))
+  hq = jnp.einsum("bhvk,bhtk->bhtv", S_read, qh, precision=HIGHEST)
+  hk = jnp.einsum("bhvk,bhtk->bhtv", S_read, kh, precision=HIGHEST)
   G = jnp.cumsum(gh, axis=-1)                                              # [B, Hv, T]
   causal = jnp.tril(jnp.ones((t, t), bool))
   # Mask the exponent, not the result: e^{G_s − G_s'} for s < s' may overflow.

@@ -243,12 +243,13 @@ def replay_verify(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
       length are padding: zero output, no ring write, their inputs (NaN included) never read.
       Commit at most ``lengths`` tokens per row.
     implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic".
+      Buffers with a read copy (``ReplayBuffers.read_copy``): the readouts come from the copy,
+      the fold writes both; "pallas_mosaic" does not take them.
 
   Returns:
     (y [B, T, H, P] in x's dtype, zeros on padding rows and padded lanes; bufs).
   """
   _check_buffers(bufs)
-  _slots.without_read_copy("mamba2.replay_verify", bufs)
   b = _check_verify_inputs(x, dt, A, B, C, D, z, dt_bias, num_heads=bufs.num_heads, head_dim=bufs.head_dim,
                            state_dim=bufs.state_dim, num_groups=bufs.num_groups)
   _slots.check_plan(plan, bufs, b, "x")
@@ -266,6 +267,7 @@ def replay_verify(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
                                               dt_bias=dt_bias, dt_softplus=softplus)
 
   def run_mosaic():
+    _slots.without_read_copy("mamba2.replay_verify[pallas_mosaic]", bufs)
     from replayssm_jax.pallas import mamba2_mosaic
     return mamba2_mosaic.replay_verify(x, dt, A, B, C, bufs, plan, lengths, D=D, z=z,
                                        dt_bias=dt_bias, dt_softplus=softplus)

@@ -64,9 +64,8 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
   if route == "reconstruct":
     y = jnp.einsum("bhpn,bhn->bhp", S_new, Ch, precision=HIGHEST)
   else:  # S_t C = a (S_{t-1} C) + (B_t·C) Δx_t, with S_{t-1} C read from checkpoint and ring
-    if bufs.read_copy is not None:   # the readout from the read copy (the fold from the checkpoint)
-      win = (_slots.gather(bufs.read_copy, slots).astype(jnp.float32),) + tuple(win[1:])
-    y = (jnp.exp(dA)[..., None] * replay.read(*win, Ch)
+    # The readout from the read copy when there is one (the fold from the checkpoint).
+    y = (jnp.exp(dA)[..., None] * replay.read(*_slots.readout_window(bufs, slots, win), Ch)
          + jnp.sum(Bh * Ch, axis=-1, keepdims=True) * dx)
 
   # Token 0 goes to ring index base + count on every live row (flushing rows fold it right away).
@@ -130,7 +129,8 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
       y_s = e^{L_s} (S_h C_s) + Σ_{s'≤s} e^{L_s−L_{s'}} (B_{s'}·C_s) Δx_{s'}      (then D skip, gate).
 
   Every token is appended at ``plan.write_index(i)``; flushing rows fold the committed window and
-  token 0 only: checkpoint = e^{Δ_0 A} S_h + Δx_0 B_0ᵀ.
+  token 0 only: checkpoint = e^{Δ_0 A} S_h + Δx_0 B_0ᵀ. With a read copy, S_h C_s replays from the
+  copy; the fold from the checkpoint.
   """
   t = plan.num_tokens
   slots = plan.slots
@@ -138,13 +138,15 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
   x32, dx, dA, Bh, Ch = _verify_inputs(x, dt, A, B, C, dt_bias, dt_softplus, lanes)
   heads_first = lambda a: jnp.moveaxis(a, 1, 2)                            # [B, T, H, ..] → [B, H, T, ..]
   dxh, dAh, Bhh, Chh = map(heads_first, (dx, dA, Bh, Ch))
-  S_h = replay.rebuild(*_window(bufs, slots, plan.base, plan.count))
+  win = _window(bufs, slots, plan.base, plan.count)
+  S_h = replay.rebuild(*win)
+  S_read = S_h if bufs.read_copy is None else replay.rebuild(*_slots.readout_window(bufs, slots, win))
   Lc = jnp.cumsum(dAh, axis=-1)                                            # [B, H, T]
   causal = jnp.tril(jnp.ones((t, t), bool))
   # Mask the exponent, not the result: e^{L_s − L_s'} for s < s' may overflow.
   decay = jnp.exp(jnp.where(causal, Lc[..., :, None] - Lc[..., None, :], -jnp.inf))
   CB = jnp.einsum("bhsn,bhtn->bhst", Chh, Bhh, precision=HIGHEST)
-  y = (jnp.exp(Lc)[..., None] * jnp.einsum("bhpn,bhtn->bhtp", S_h, Chh, precision=HIGHEST)
+  y = (jnp.exp(Lc)[..., None] * jnp.einsum("bhpn,bhtn->bhtp", S_read, Chh, precision=HIGHEST)
        + jnp.einsum("bhst,bhtp->bhsp", decay * CB, dxh, precision=HIGHEST))
   y = _finish_tokens(jnp.moveaxis(y, 2, 1), x32, D, z, lanes, x.dtype)
 
@@ -152,8 +154,10 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
   pos = (plan.write_index(0)[:, None] + jnp.arange(t, dtype=jnp.int32)) % plan.ring_size
   put = lambda ring, a: ring.at[idx, :, pos].set(a.astype(ring.dtype), mode="drop")
   S_fold = _update(S_h, dAh[..., 0], dxh[..., 0, :], Bhh[..., 0, :])
-  return y, bufs.replace(state=_slots.scatter_rows(bufs.state, jnp.where(plan.flush, slots, -1), S_fold),
-                         ring_x=put(bufs.ring_x, dx), ring_B=put(bufs.ring_B, B), ring_a=put(bufs.ring_a, dA))
+  flushing = jnp.where(plan.flush, slots, -1)
+  bufs = bufs.replace(state=_slots.scatter_rows(bufs.state, flushing, S_fold), ring_x=put(bufs.ring_x, dx),
+                      ring_B=put(bufs.ring_B, B), ring_a=put(bufs.ring_a, dA))
+  return y, _slots.refresh_read_copy(bufs, flushing)
 
 
 def verify_conventional(x, dt, A, B, C, stack, slots, read_index, lengths, *, D, z, dt_bias, dt_softplus):

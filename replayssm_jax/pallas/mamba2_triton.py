@@ -291,9 +291,7 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
   kernel = functools.partial(_replay_kernel, group=h // bufs.num_groups, heads=step.heads,
                              block_p=step.block_p, block_n=step.block_n, ring_size=bufs.ring_size,
                              route=cfg.route, softplus=dt_softplus)
-  # The output-only route only reads the checkpoint: from the read copy when there is one.
-  checkpoint = bufs.state if bufs.read_copy is None else bufs.read_copy
-  buffers = {"state": checkpoint, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
+  buffers = step_buffers(bufs)
   out = _pallas(kernel,
                 {"slots": plan.slots, "base": plan.base, "count": plan.count,
                  "flush": plan.flush.astype(jnp.int32),
@@ -302,9 +300,21 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
                 {k: k + "_out" for k in buffers},
                 grid=(p // step.block_p, h // step.heads, batch), cfg=step,
                 name="replayssm_mamba2_replay_step", interpret=interpret)
-  bufs = bufs.replace(**{k: out[k + "_out"] for k in buffers if k != "state"},
+  return out["y_out"], fold_flushing_rows(with_step_buffers(bufs, out), plan, cfg=cfg,
+                                          interpret=interpret)
+
+
+def step_buffers(bufs) -> dict:
+  """The buffers a step or verify launch takes, aliased in place. The output-only route only reads
+  the checkpoint: from the read copy when there is one."""
+  checkpoint = bufs.state if bufs.read_copy is None else bufs.read_copy
+  return {"state": checkpoint, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
+
+
+def with_step_buffers(bufs, out):
+  """``bufs`` with a launch's aliased ``<name>_out`` outputs of ``step_buffers`` put back."""
+  return bufs.replace(ring_x=out["ring_x_out"], ring_B=out["ring_B_out"], ring_a=out["ring_a_out"],
                       **{"state" if bufs.read_copy is None else "read_copy": out["state_out"]})
-  return out["y_out"], fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
 
 
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):

@@ -45,8 +45,10 @@ from replayssm_jax import config as config_lib
 from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.mamba2.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
+from replayssm_jax.pallas import fold_triton
 from replayssm_jax.pallas.mamba2_triton import (_check_sizes, _decode_step, _finish, _fit, _pallas,
-                                                _step_inputs, _token, _window, fold_flushing_rows)
+                                                _step_inputs, _token, _window, fold_flushing_rows,
+                                                step_buffers, with_step_buffers)
 from replayssm_jax.replay import window_offsets
 
 f32 = jnp.float32
@@ -204,7 +206,7 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
                                block_p=step.block_p, ring_size=bufs.ring_size, tokens=t,
                                softplus=dt_softplus)
     grid = (p // step.block_p, h // step.heads, batch)
-  buffers = {"state": bufs.state, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
+  buffers = step_buffers(bufs)
   out = _pallas(kernel,
                 {"slots": plan.slots, "base": plan.base, "count": plan.count,
                  "flush": plan.flush.astype(jnp.int32), "lengths": lengths,
@@ -213,9 +215,9 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
                 {k: k + "_out" for k in buffers},
                 grid=grid, cfg=step, name=f"replayssm_mamba2_replay_verify_{cfg.route}",
                 interpret=interpret)
-  bufs = bufs.replace(**{k: out[k + "_out"] for k in buffers})
   # Output-only: flushing rows fold window + token 0 (drafts are never folded) in the fold pass.
-  return out["y_out"], fold_flushing_rows(bufs, plan, cfg=cfg, interpret=interpret)
+  return out["y_out"], fold_flushing_rows(with_step_buffers(bufs, out), plan, cfg=cfg,
+                                          interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
@@ -272,7 +274,8 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
     bufs: mamba2.ReplayBuffers (aliased in place); plan: ReplayPlan with num_tokens = T.
     lengths: int32[B] real tokens per row in [1, T].
     route: None (the config's), "output_only" or "reconstruct" (the window replayed into the
-      tile; one head per program).
+      tile; one head per program). Buffers with a read copy take the output-only route, its
+      readouts from the copy.
     block_p (P rows per program), heads (heads per program), num_warps, num_stages: the step's
       config overrides; block_n: the N tile of the output-only route's fold pass.
 
@@ -280,6 +283,7 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
     (y [B, T, H, P] in x's dtype, bufs).
   """
   op = "mamba2.replay_verify[pallas_triton]"
+  route, plan = fold_triton.read_copy_route(op, bufs, route, plan)
   cfg = verify_cfg(op, bufs, plan, x.shape[0], route=route, block_p=block_p, block_n=block_n,
                    heads=heads, num_warps=num_warps, num_stages=num_stages)
   return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,

@@ -130,7 +130,7 @@ class EngineConfig:
     state_dtype, ring_dtype: cache dtypes (see ``LM.init_cache``).
     read_copy_dtype: None, or "bfloat16" / "float16": a 16-bit read copy of every float32
       checkpoint that decode steps read (``LM.init_cache(read_copy_dtype=)``, bench/RESULTS.md
-      "Read copy"); ReplaySSM decode without drafts only.
+      "Read copy"); ReplaySSM decode and verify only (``replay=True``).
     implementation: forwarded to the GDN / Mamba2 ops (None = fastest available).
     overlap: dispatch each step from the previous step's tokens on the device before the host
       reads them, so the host's bookkeeping of step t runs while step t + 1 computes (see the
@@ -189,13 +189,9 @@ class EngineConfig:
         raise ValueError(f"{name}={value!r}; expected None or an int >= 1")
     if not isinstance(self.replay, bool):
       raise ValueError(f"replay={self.replay!r}; expected a bool")
-    if self.read_copy_dtype is not None:
-      if not self.replay:
-        raise ValueError(f"read_copy_dtype={self.read_copy_dtype!r} with replay=False: only ReplaySSM "
-                         f"decode reads the copy (conventional decode would leave it stale)")
-      if self.num_drafts:
-        raise NotImplementedError(f"read_copy_dtype={self.read_copy_dtype!r} with num_drafts="
-                                  f"{self.num_drafts}: speculative verify does not keep a read copy")
+    if self.read_copy_dtype is not None and not self.replay:
+      raise ValueError(f"read_copy_dtype={self.read_copy_dtype!r} with replay=False: only ReplaySSM "
+                       f"decode and verify read the copy (conventional steps would leave it stale)")
     if self.overlap is not None and not isinstance(self.overlap, bool):
       raise ValueError(f"overlap={self.overlap!r}; expected None or a bool")
     if self.overlap and self.prefix_block and self.num_drafts:
