@@ -11,7 +11,9 @@ residual, attention logits, logits scaling); and Falcon-H1's parallel Mamba2 + a
 GatedDeltaNet layer — heads, KV heads and expert widths split 4 ways: prefill, then 10 decode steps with buffer_len 4 (natural flushes) plus one forced
 flush, in replay and conventional mode: sharded logits == unsharded logits (float32, up to the
 psum's summation order), greedy tokens identical, and every cache array (checkpoints, rings, conv
-states, KV caches, cursor, positions) equal after unsharding.
+states, KV caches, cursor, positions) equal after unsharding. Then speculative verify + commit
+(T = 3, short rows, random accepted counts, a forced flush), ReplaySSM and conventional (state
+stacks): logits of the real lanes and every cache array equal.
 """
 import pathlib
 import subprocess
@@ -91,6 +93,39 @@ def _check_model(config):
       close(b, a, f"cache {jax.tree_util.keystr(path)}, replay={replay}")
     if replay:
       assert int(ref_cache.cursor.count[4]) != int(ref_cache.cursor.count[2])  # phases really differ
+  _check_verify(model, sharded, tokens, slots, lengths, close)
+
+
+def _check_verify(model, sharded, tokens, slots, lengths, close):
+  """Speculative verify + commit, ReplaySSM and conventional (state stacks), T = 3 with short rows,
+  a padding row, random accepted counts and a forced flush: sharded == unsharded."""
+  import jax
+  import jax.numpy as jnp
+
+  rng = np.random.RandomState(1)
+  for replay in (True, False):
+    kw = dict(buffer_len=4, max_draft=2, max_len=48, verify_stacks=not replay)
+    ref_cache, sh_cache = model.init_cache(6, **kw), sharded.init_cache(6, **kw)
+    _, ref_cache = model.prefill(tokens, ref_cache, slots, lengths)
+    _, sh_cache = sharded.prefill(tokens, sh_cache, slots, lengths)
+    rows = jnp.array([2, -1, 4], jnp.int32)
+    for t in range(6):
+      draft = jnp.asarray(rng.randint(1, 256, (3, 3)), jnp.int32)
+      n = rng.randint(1, 4, 3).astype(np.int32)
+      force = jnp.array([False, False, t == 3])
+      ref_logits, ref_step = model.verify(draft, ref_cache, rows, lengths=jnp.asarray(n), replay=replay,
+                                          force_flush=force)
+      sh_logits, sh_step = sharded.verify(draft, sh_cache, rows, lengths=jnp.asarray(n), replay=replay,
+                                          force_flush=force)
+      live = np.arange(3)[None, :] < n[[0, 2]][:, None]
+      close(np.asarray(sh_logits)[[0, 2]][live], np.asarray(ref_logits)[[0, 2]][live],
+            f"verify logits, step {t}, replay={replay}")
+      accepted = jnp.asarray(rng.randint(1, n + 1).astype(np.int32))
+      ref_cache, sh_cache = model.commit(ref_step, accepted), sharded.commit(sh_step, accepted)
+    back = sharded.unshard_cache(sh_cache)
+    for path, a in jax.tree_util.tree_leaves_with_path(ref_cache):
+      b = [x for p, x in jax.tree_util.tree_leaves_with_path(back) if p == path][0]
+      close(b, a, f"cache after verify {jax.tree_util.keystr(path)}, replay={replay}")
 
 
 def test_sharded_equals_unsharded_on_4_devices():

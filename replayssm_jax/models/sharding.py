@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from replayssm_jax.models.attention import AttentionLayerCache
 from replayssm_jax.models.gated_deltanet import GdnLayerCache
-from replayssm_jax.models.lm import LM, LMCache
+from replayssm_jax.models.lm import LM, LMCache, VerifyStep
 
 
 def _regroup(x, dim, sizes, tp, *, to_device_major):
@@ -52,9 +52,10 @@ def _regroup(x, dim, sizes, tp, *, to_device_major):
 class ShardedLM:
   """An LM whose mixer heads are sharded over ``mesh`` axis ``axis`` (see the module docstring).
 
-  ``prefill`` / ``decode`` have the signatures of ``LM.prefill`` / ``LM.decode`` and take and
-  return a sharded cache (from ``init_cache`` or ``shard_cache``); they are jitted with the cache
-  donated.
+  ``prefill`` / ``decode`` / ``verify`` / ``commit`` have the signatures of the ``LM`` methods and
+  take and return a sharded cache (from ``init_cache`` or ``shard_cache``; ``verify`` a
+  ``VerifyStep`` holding one, its conv windows sharded like the conv states); they are jitted with
+  the cache (the step) donated.
   """
 
   def __init__(self, model: LM, mesh, axis: str):
@@ -165,7 +166,13 @@ class ShardedLM:
     return x, specs.get(name, P())   # router, correction_bias, shared_expert_gate, latent_in/out
 
   def _cache_specs(self, cache):
+    """PartitionSpecs of a sharded LMCache (or of a VerifyStep: its cache, replicated plan, conv
+    windows [B, W-1+T, C] on their device-major channel axis like the conv states)."""
     a = self.axis
+    if isinstance(cache, VerifyStep):
+      windows = tuple(None if w is None else P(None, None, a) for w in cache.windows)
+      return VerifyStep(cache=self._cache_specs(cache.cache), plan=P(), windows=windows,
+                        replay=cache.replay)
     layers = []
     for lc in cache.layers:
       if isinstance(lc, AttentionLayerCache):
@@ -173,8 +180,11 @@ class ShardedLM:
         continue
       bufs = jax.tree.map(lambda _: P(None, a), lc.bufs)
       layers.append(lc.replace(conv_state=P(None, None, a), bufs=bufs))
+    # Conventional verify's state stacks [N, T_max, heads, ...]: on their head axis.
+    stacks = None if cache.stacks is None else tuple(None if s is None else P(None, None, a)
+                                                     for s in cache.stacks)
     return LMCache(layers=tuple(layers), cursor=jax.tree.map(lambda _: P(), cache.cursor),
-                   positions=P())
+                   positions=P(), stacks=stacks, read_index=None if cache.read_index is None else P())
 
   def _convert_cache(self, cache, *, to_sharded):
     layers = []
@@ -205,11 +215,19 @@ class ShardedLM:
   # ---- steps ---------------------------------------------------------------------------------
 
   def _step(self, method, cache, n_batch, **static):
-    key = (method, tuple(sorted(static.items())))
+    key = (method, tuple(sorted(static.items())), jax.tree.structure(cache))
     if key not in self._steps:
+      in_spec = self._cache_specs(cache)
+      out_spec = self._verify_specs(cache, static["replay"]) if method == "verify" else (
+          in_spec.cache if method == "commit" else in_spec)
       self._steps[key] = _sharded_step(self._graphdef, self.mesh, method, static, self._param_specs,
-                                       self._cache_specs(cache), n_batch)
+                                       in_spec, out_spec, n_batch)
     return self._steps[key]
+
+  def _verify_specs(self, cache, replay):
+    """Specs of ``LM.verify``'s VerifyStep over ``cache``: a conv window per recurrent layer."""
+    windows = tuple(None if isinstance(lc, AttentionLayerCache) else 0 for lc in cache.layers)
+    return self._cache_specs(VerifyStep(cache=cache, plan=None, windows=windows, replay=replay))
 
   def _run(self, method, cache, batch_args, **static):
     return self._step(method, cache, len(batch_args), **static)(self.params, cache, *batch_args)
@@ -232,23 +250,50 @@ class ShardedLM:
     return self._run("decode", cache, (tokens, slots, force_flush), replay=replay,
                      implementation=implementation)
 
+  def verify(self, tokens, cache, slots, *, lengths=None, replay=True, implementation=None,
+             force_flush=None):
+    """``LM.verify`` on the mesh: (logits [B, T, vocab] replicated, VerifyStep over the sharded
+    cache); pass the step to ``commit``."""
+    if lengths is None:
+      lengths = jnp.full(slots.shape, tokens.shape[1], jnp.int32)
+    if force_flush is None:
+      force_flush = jnp.zeros(slots.shape, bool)
+    return self._run("verify", cache, (tokens, slots, lengths, force_flush), replay=replay,
+                     implementation=implementation)
 
-def _sharded_step(graphdef, mesh, method, static, param_specs, cache_specs, n_batch):
-  """jit(shard_map(LM.prefill or LM.decode of the per-device model)), cache donated."""
+  def commit(self, step: VerifyStep, num_accepted) -> LMCache:
+    """``LM.commit`` on the mesh: the sharded cache keeping the first ``num_accepted[b]`` tokens of
+    each row of ``step`` (from ``verify``)."""
+    if not isinstance(step, VerifyStep):
+      raise ValueError(f"step must be the VerifyStep of ShardedLM.verify; got {type(step).__name__}")
+    return self._run("commit", step, (num_accepted,))
+
+
+def _sharded_step(graphdef, mesh, method, static, param_specs, in_spec, out_spec, n_batch):
+  """jit(shard_map(an LM method of the per-device model)): ``f(params, cache or step, *batch)``,
+  the second argument donated; ``in_spec`` / ``out_spec`` its and the returned cache's (or
+  step's) PartitionSpecs."""
 
   def body(params, cache, *batch):
     model = nnx.merge(graphdef, params)
     if method == "prefill":
       tokens, slots, lengths = batch
       return model.prefill(tokens, cache, slots, lengths, **static)
+    if method == "verify":
+      tokens, slots, lengths, force = batch
+      return model.verify(tokens, cache, slots, lengths=lengths, force_flush=force, **static)
+    if method == "commit":
+      (num_accepted,) = batch
+      return model.commit(cache, num_accepted)
     tokens, slots, force = batch
     return model.decode(tokens, cache, slots, force_flush=force, **static)
 
   # check_vma=False: the scans of the reference ops start from invariant zeros and carry
   # head-sharded (varying) values; the logits are replicated by construction (psum, then
   # replicated MLP and head).
-  f = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, cache_specs) + (P(),) * n_batch,
-                    out_specs=(P(), cache_specs), check_vma=False)
+  out_specs = out_spec if method == "commit" else (P(), out_spec)
+  f = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, in_spec) + (P(),) * n_batch,
+                    out_specs=out_specs, check_vma=False)
   return jax.jit(f, donate_argnums=(1,))
 
 
