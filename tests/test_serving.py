@@ -341,12 +341,13 @@ def test_resume_of_a_damaged_directory_names_the_file(tmp_path):
     Engine.resume(tmp_path)
 
 
-def test_read_copy_engine(model, tmp_path):
-  """EngineConfig(read_copy_dtype=): requests run to their exact lengths, prefix snapshots and
-  preempt/resume keep every slot's read copy equal to its rounded checkpoint; conventional decode
-  refuses the option."""
+@pytest.mark.parametrize("num_drafts", [0, 2])
+def test_read_copy_engine(model, tmp_path, num_drafts):
+  """EngineConfig(read_copy_dtype=), without and with drafts: requests run to their exact lengths,
+  prefix snapshots and preempt/resume keep every slot's read copy equal to its rounded checkpoint;
+  conventional decode refuses the option."""
   import jax.numpy as jnp
-  config = dataclasses.replace(PREFIX_SYNC, read_copy_dtype="bfloat16")
+  config = dataclasses.replace(PREFIX_SYNC, read_copy_dtype="bfloat16", num_drafts=num_drafts)
   shared = RNG.randint(1, 256, 16).tolist()   # a common prefix: the later requests hit its snapshot
 
   def start():
