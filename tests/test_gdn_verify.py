@@ -49,8 +49,8 @@ class VerifyHarness:
   """
 
   def __init__(self, *, max_tokens=4, buffer_len=8, fold="u", num_slots=6, seed=0, conventional=True,
-               read_copy_dtype=None, implementation=None):
-    self.geometry = GEOMETRIES["small"]
+               read_copy_dtype=None, implementation=None, geometry=None):
+    self.geometry = GEOMETRIES["small"] if geometry is None else geometry
     hk, hv, kd, vd = self.geometry
     self.rng = np.random.default_rng(seed)
     self.cursor = rs.ReplayCursor.create(num_slots, buffer_len=buffer_len, max_draft=max_tokens - 1)

@@ -40,8 +40,8 @@ class VerifyHarness:
   """ReplaySSM buffers + cursor, a conventional state stack and a float64 oracle, stepped together."""
 
   def __init__(self, *, max_tokens=4, buffer_len=8, num_slots=6, seed=0, conventional=True,
-               read_copy_dtype=None, implementation=None):
-    self.geometry = GEOMETRIES["small"]
+               read_copy_dtype=None, implementation=None, geometry=None):
+    self.geometry = GEOMETRIES["small"] if geometry is None else geometry
     h, g, p, n = self.geometry
     self.rng = np.random.default_rng(seed)
     self.params = make_params(self.rng, h)
