@@ -264,3 +264,36 @@ def test_model_decode_with_a_read_copy(layer_types):
         model.decode(tok, cache, slots, replay=False)
   a, b = logits[None], logits[bf16]
   assert 0 < np.max(np.abs(a - b)) < 5e-2 * np.max(np.abs(a))
+
+
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+@pytest.mark.parametrize("num_tokens", [1, 4], ids=["decode", "verify"])
+def test_read_copy_lowers_for_h200(family, num_tokens):
+  """Decode and verify over buffers with a read copy, built for an abstract H200 at served head
+  sizes (Qwen3.5-4B GDN; Nemotron-3-Super Mamba2): the output-only step and the fold pass (the
+  H200's reconstruct defaults give way), the checkpoint, the three rings and the copy in place."""
+  from tests.helpers import lower_for_h200  # noqa: PLC0415
+  batch, num_slots = 8, 16
+  slots = jnp.asarray(np.r_[np.arange(batch - 1), -1], jnp.int32)
+  cursor = rs.ReplayCursor.create(num_slots, buffer_len=16, max_draft=num_tokens - 1)
+  rows = (batch, num_tokens) if num_tokens > 1 else (batch,)
+  if family == "gdn":
+    hk, hv, kd, vd = 16, 32, 128, 128
+    bufs = rs.gdn.ReplayBuffers.create(num_slots, cursor, num_k_heads=hk, num_v_heads=hv, head_k_dim=kd,
+                                       head_v_dim=vd, ring_dtype=bf16, read_copy_dtype=bf16)
+    x = (jnp.zeros(rows + (hk, kd), bf16), jnp.zeros(rows + (hk, kd), bf16),
+         jnp.zeros(rows + (hv, vd), bf16), jnp.zeros(rows + (hv,), f32), jnp.zeros(rows + (hv,), bf16))
+    op = rs.gdn.replay_decode if num_tokens == 1 else rs.gdn.replay_verify
+    fn = lambda b, p, *x: op(*x, b, p, implementation="pallas_triton")
+  else:
+    h, g, p, n = 128, 8, 64, 128
+    bufs = rs.mamba2.ReplayBuffers.create(num_slots, cursor, num_heads=h, head_dim=p, num_groups=g,
+                                          state_dim=n, ring_dtype=bf16, read_copy_dtype=bf16)
+    x = (jnp.zeros(rows + (h, p), bf16), jnp.zeros(rows + (h,), bf16), jnp.zeros((h,), f32),
+         jnp.zeros(rows + (g, n), bf16), jnp.zeros(rows + (g, n), bf16))
+    op = rs.mamba2.replay_decode if num_tokens == 1 else rs.mamba2.replay_verify
+    kw = dict(D=jnp.zeros((h,), f32), dt_bias=jnp.zeros((h,), f32), implementation="pallas_triton")
+    fn = lambda b, p_, *x: op(*x, b, p_, **kw)
+  text = lower_for_h200(fn, (0,), bufs, cursor.plan(slots, num_tokens=num_tokens), *x)
+  assert text.count("__gpu$xla.gpu.triton") == 2          # the step and the fold pass
+  assert text.count("tf.aliasing_output") == 5             # checkpoint, three rings, read copy
