@@ -170,9 +170,7 @@ class ShardedLM:
     windows [B, W-1+T, C] on their device-major channel axis like the conv states)."""
     a = self.axis
     if isinstance(cache, VerifyStep):
-      windows = tuple(None if w is None else P(None, None, a) for w in cache.windows)
-      return VerifyStep(cache=self._cache_specs(cache.cache), plan=P(), windows=windows,
-                        replay=cache.replay)
+      return self._verify_specs(cache.cache, cache.replay)
     layers = []
     for lc in cache.layers:
       if isinstance(lc, AttentionLayerCache):
@@ -225,9 +223,11 @@ class ShardedLM:
     return self._steps[key]
 
   def _verify_specs(self, cache, replay):
-    """Specs of ``LM.verify``'s VerifyStep over ``cache``: a conv window per recurrent layer."""
-    windows = tuple(None if isinstance(lc, AttentionLayerCache) else 0 for lc in cache.layers)
-    return self._cache_specs(VerifyStep(cache=cache, plan=None, windows=windows, replay=replay))
+    """Specs of ``LM.verify``'s VerifyStep over ``cache``: the cache's, the plan replicated, a conv
+    window per recurrent layer (None for attention)."""
+    windows = tuple(None if isinstance(lc, AttentionLayerCache) else P(None, None, self.axis)
+                    for lc in cache.layers)
+    return VerifyStep(cache=self._cache_specs(cache), plan=P(), windows=windows, replay=replay)
 
   def _run(self, method, cache, batch_args, **static):
     return self._step(method, cache, len(batch_args), **static)(self.params, cache, *batch_args)

@@ -292,7 +292,7 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
 
   ``lengths`` int32[B] real tokens per row in [1, T]. Keyword knobs (``verify_cfg``): ``route``
   (None: the config's; "output_only" or "reconstruct", one launch; buffers with a read copy take
-  the output-only route, its readouts from the copy), ``split (None: the
+  the output-only route, its readouts from the copy), ``split`` (None: the
   config's) computes the output-only route's checkpoint readouts in their own launch; ``block_v``,
   ``block_k``, ``num_warps``, ``num_stages`` (step), ``readout_block_v``, ``readout_num_warps``,
   ``fold_block_v``, ``fold_block_k``, ``fold_num_warps``, ``fold_rows`` override the configs like
