@@ -10,9 +10,10 @@ Families (``--family``): ``gdn`` — one Qwen3.5-4B GDN layer (Hk 16, Hv 32, K =
 ``rs.gdn.replay_verify`` / ``rs.gdn.verify_conventional``; ``mamba2`` — one Nemotron-3-Super layer
 (H 128, P 64, N 128, G 8), ``rs.mamba2.replay_verify`` / ``rs.mamba2.verify_conventional``. Only the
 public ops are called, with implementation "pallas_triton" (``*-pallas`` arms), "pallas_mosaic"
-(``replay-mosaic``, speed-up against conv-pallas) or "xla"; ``replay-pallas-copy`` is
-replay-pallas over buffers with a bf16 read copy of the float32 checkpoint (``read_copy_dtype``,
-float32 state only; its gate is the XLA op over the same buffers). An
+(``replay-mosaic``, speed-up against conv-pallas) or "xla"; ``replay-pallas-copy`` and
+``replay-mosaic-copy`` are those arms over buffers with a bf16 read copy of the float32 checkpoint
+(``read_copy_dtype``, float32 state only; verify does not read the copy, it writes it with the
+checkpoint; the gate is the XLA op over the same buffers). An
 implementation that is not available yet is recorded as a skipped row. Activations bf16, g / dt
 float32, ring in ``--ring-dtype`` (bf16).
 
@@ -53,7 +54,8 @@ import replayssm_jax as rs
 from bench import common
 from bench.common import hash_normal, hash_uniform, l2_normalize
 
-ARMS = ("replay-pallas", "replay-xla", "conv-pallas", "conv-xla", "replay-mosaic", "replay-pallas-copy")
+ARMS = ("replay-pallas", "replay-xla", "conv-pallas", "conv-xla", "replay-mosaic", "replay-pallas-copy",
+        "replay-mosaic-copy")
 DEFAULT_ARMS = ARMS[:4]   # replay-mosaic (Hopper; interpreted on CPU: slow) by name
 
 
@@ -125,17 +127,13 @@ class Family:
                                    implementation=impl)
 
   def launch_config(self, bufs, plan, knobs=()) -> str:
-    """The Pallas replay verify's resolved launch config (route and tiles) for these buffers (with
-    a read copy: the output-only route, as the wrapper forces)."""
+    """The Pallas replay verify's resolved launch config (route and tiles) for these buffers."""
     batch = plan.slots.shape[0]
-    from replayssm_jax.pallas import fold_triton
     if self.name == "gdn":
       from replayssm_jax.pallas import gdn_verify_triton as kernels
     else:
       from replayssm_jax.pallas import mamba2_verify_triton as kernels
-    knobs = dict(knobs)
-    route, plan = fold_triton.read_copy_route("bench", bufs, knobs.pop("route", None), plan)
-    return repr(kernels.verify_cfg("bench", bufs, plan, batch, route=route, **knobs))
+    return repr(kernels.verify_cfg("bench", bufs, plan, batch, **dict(knobs)))
 
   def conventional(self, inputs, stack, slots, read_index, impl):
     if self.name == "gdn":
@@ -438,7 +436,7 @@ def main(argv=None) -> dict:
       mem = memory_per_request(family, t, args.buffer_len, sdt, args.ring_dtype)
       memory.append({"family": family.name, "state_dtype": sdt, "num_tokens": t, **mem})
       mem_copy = (memory_per_request(family, t, args.buffer_len, sdt, args.ring_dtype, READ_COPY_DTYPE)
-                  if "replay-pallas-copy" in args.arms and sdt == "float32" else None)
+                  if any(a.endswith("-copy") for a in args.arms) and sdt == "float32" else None)
       for B in args.batches:
         P = layers_for(state_bytes, B, sdt, args.target_bytes, args.max_layers)
         setup = Setup(family, B, t, args.buffer_len, P, sdt, args.ring_dtype, args.act_dtype, args.bank,

@@ -1,10 +1,11 @@
 """GPU-only run of the read-copy verify checks (marker ``gpu``; skipped on CPU): the compiled
-Pallas-Triton verify kernels over buffers with a bf16 read copy, at head sizes of the served models
-(K = V = 128 for GDN; P = 64, N = 128 for Mamba2), against float64 and XLA
-(``tests/test_read_copy.py::check_read_copy_verify``)."""
+verify kernels over buffers with a bf16 read copy, at head sizes of the served models (K = V = 128
+for GDN; P = 64, N = 128 for Mamba2), equal to the copy-free run bit for bit with the copy in step
+(``tests/test_read_copy.py::check_read_copy_verify``): Pallas-Triton on both routes (the GPU's
+default is reconstruct) and Mosaic GPU."""
 import pytest
 
-from tests.test_read_copy import check_read_copy_verify
+from tests.test_read_copy import VERIFY_CASES, check_read_copy_verify, force_verify_route
 
 pytestmark = pytest.mark.gpu
 
@@ -13,5 +14,8 @@ GEOMETRY = {"gdn": (2, 4, 128, 128),        # (Hk, Hv, K, V)
 
 
 @pytest.mark.parametrize("family", ["gdn", "mamba2"])
-def test_read_copy_verify_compiled(family):
-  check_read_copy_verify(family, GEOMETRY[family])
+@pytest.mark.parametrize("implementation,route", [c for c in VERIFY_CASES if c[0] != "xla"],
+                         ids=lambda x: str(x))
+def test_read_copy_verify_compiled(family, implementation, route, monkeypatch):
+  force_verify_route(monkeypatch, family, route)
+  check_read_copy_verify(family, implementation, GEOMETRY[family])

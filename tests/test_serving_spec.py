@@ -126,9 +126,10 @@ def test_speculative_greedy_equals_plain_greedy(model, plain, monkeypatch):
 
 
 def test_read_copy_drafting_equals_read_copy_plain(model):
-  """EngineConfig(read_copy_dtype=) with drafts: verify reads the read copy as decode does, so the
-  greedy tokens are those of the engine with a read copy and no drafts; drafts hit; every slot's
-  copy is its rounded checkpoint at the end."""
+  """EngineConfig(read_copy_dtype=) with drafts: steps without drafts decode from the read copy,
+  verify steps read the float32 checkpoint and write the copy with it. The looping head's margins
+  are far above the copy's rounding, so the greedy tokens are those of the engine with a read copy
+  and no drafts; drafts hit; every slot's copy is its rounded checkpoint at the end."""
   tokens = {}
   for drafts in (0, K):
     config = EngineConfig(**DRAFTING, num_drafts=drafts, overlap=False, read_copy_dtype="bfloat16")

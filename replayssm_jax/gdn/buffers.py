@@ -24,10 +24,12 @@ class ReplayBuffers:
     ring_v: [N, Hv, R, V] raw values (ring dtype); ``fold="exact"`` only, else None.
     ring_beta: [N, Hv, R] float32 raw write strengths β; ``fold="exact"`` only, else None.
     read_copy: [N, Hv, V, K] the float32 checkpoint rounded to bfloat16 / float16, or None
-      (``create(read_copy_dtype=...)``). Decode and verify steps read it instead of the checkpoint
-      (half the bytes of every step); every write of the checkpoint writes it too, so it always equals
-      ``state.astype(read_copy.dtype)``. Outputs and the corrected values u see one rounding of
-      S_c to 16 bits per step (S·q, S·k); the checkpoint and the fold stay float32.
+      (``create(read_copy_dtype=...)``). Decode steps read it instead of the checkpoint (half the
+      bytes of every step); every write of the checkpoint writes it too, so it always equals
+      ``state.astype(read_copy.dtype)``. Outputs and the corrected values u of decode steps see
+      one rounding of S_c to 16 bits per step (S·q, S·k); the checkpoint and the fold stay
+      float32. Speculative verify reads the float32 checkpoint (its reconstruct kernels replay
+      the window into the tile, which the copy would not shorten).
     fold: how a flush folds the window into the checkpoint (static):
       "u": from the cached corrected values, ``S = e^{Σg} S_c + Σ_j e^{Σ_{i>j} g_i} u_j k_jᵀ``. The
         u's were computed from a replayed state, so their rounding (storage dtype, the verify

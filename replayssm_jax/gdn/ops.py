@@ -244,8 +244,9 @@ def replay_verify(q, k, v, g, beta, bufs, plan, *, lengths=None, scale=None, fol
       "exact" needs buffers created with ``fold="exact"``; "u" works with both layouts.
     implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic" (the
       Pallas ones take fold="u" buffers only; None falls back to XLA for the exact layout).
-      Buffers with a read copy (``ReplayBuffers.read_copy``): the readouts come from the copy,
-      the fold writes both; "pallas_mosaic" does not take them.
+      Buffers with a read copy (``ReplayBuffers.read_copy``): verify does not read it (the
+      outputs and buffers are those of the same buffers without one, bit for bit); wherever it
+      writes the checkpoint it writes the copy too. Only decode steps read the copy.
 
   Returns:
     (o [B, T, Hv, V] in v's dtype, zeros on padding rows and padded lanes; bufs).
@@ -275,7 +276,6 @@ def replay_verify(q, k, v, g, beta, bufs, plan, *, lengths=None, scale=None, fol
 
   def run_mosaic():
     _require_u_layout("gdn.replay_verify", bufs)
-    _slots.without_read_copy("gdn.replay_verify[pallas_mosaic]", bufs)
     from replayssm_jax.pallas import gdn_mosaic
     return gdn_mosaic.replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=scale)
 

@@ -187,8 +187,9 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
       o_s = e^{G_s} hq_s + Σ_{s'≤s} e^{G_s−G_{s'}} (k_{s'}·q_s) U_{s'}.
 
   Every token is appended at ``plan.write_index(i)``; flushing rows fold the committed window and
-  token 0 only (fold="u": S_0 = e^{g_0} S_h + U_0 k_0ᵀ; fold="exact": the raw recurrence). With a
-  read copy, hq and hk replay from the copy; the fold from the checkpoint.
+  token 0 only (fold="u": S_0 = e^{g_0} S_h + U_0 k_0ᵀ; fold="exact": the raw recurrence). A read
+  copy is not read (verify replays from the float32 checkpoint, as without one); flushing rows
+  write it with the checkpoint.
   """
   t = plan.num_tokens
   hv = bufs.num_v_heads
@@ -196,9 +197,8 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
   qh, kh, vh, gh, bh = _verify_inputs(q, k, v, g, beta, lanes, hv, scale)
   win = _window(bufs, plan.slots, plan.base, plan.count)
   S_h = _rebuild(*win)
-  S_read = S_h if bufs.read_copy is None else _rebuild(*_slots.readout_window(bufs, plan.slots, win))
-  hq = jnp.einsum("bhvk,bhtk->bhtv", S_read, qh, precision=HIGHEST)
-  hk = jnp.einsum("bhvk,bhtk->bhtv", S_read, kh, precision=HIGHEST)
+  hq = jnp.einsum("bhvk,bhtk->bhtv", S_h, qh, precision=HIGHEST)
+  hk = jnp.einsum("bhvk,bhtk->bhtv", S_h, kh, precision=HIGHEST)
   G = jnp.cumsum(gh, axis=-1)                                              # [B, Hv, T]
   causal = jnp.tril(jnp.ones((t, t), bool))
   # Mask the exponent, not the result: e^{G_s − G_s'} for s < s' may overflow.

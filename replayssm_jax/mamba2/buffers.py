@@ -19,10 +19,11 @@ class ReplayBuffers:
     ring_B: [N, G, R, N_state] B, stored once per group (ring dtype).
     ring_a: [N, H, R] float32 log decays Δ·A.
     read_copy: [N, H, P, N_state] the float32 checkpoint rounded to bfloat16 / float16, or None
-      (``create(read_copy_dtype=...)``). Decode and verify steps read it instead of the checkpoint
-      (half the bytes of every step); every write of the checkpoint writes it too, so it always equals
-      ``state.astype(read_copy.dtype)``. Mamba2's update does not read the state, so only the
+      (``create(read_copy_dtype=...)``). Decode steps read it instead of the checkpoint (half the
+      bytes of every step); every write of the checkpoint writes it too, so it always equals
+      ``state.astype(read_copy.dtype)``. Mamba2's update does not read the state, so only decode
       outputs see the rounding (of S_c in S·C); the checkpoint is the float32 one, bit for bit.
+      Speculative verify reads the float32 checkpoint.
   """
   state: jax.Array
   ring_x: jax.Array

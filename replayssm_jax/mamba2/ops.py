@@ -243,8 +243,9 @@ def replay_verify(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
       length are padding: zero output, no ring write, their inputs (NaN included) never read.
       Commit at most ``lengths`` tokens per row.
     implementation: None (fastest available), "xla", "pallas_triton" or "pallas_mosaic".
-      Buffers with a read copy (``ReplayBuffers.read_copy``): the readouts come from the copy,
-      the fold writes both; "pallas_mosaic" does not take them.
+      Buffers with a read copy (``ReplayBuffers.read_copy``): verify does not read it (the
+      outputs and buffers are those of the same buffers without one, bit for bit); wherever it
+      writes the checkpoint it writes the copy too. Only decode steps read the copy.
 
   Returns:
     (y [B, T, H, P] in x's dtype, zeros on padding rows and padded lanes; bufs).
@@ -267,7 +268,6 @@ def replay_verify(x, dt, A, B, C, bufs, plan, *, D=None, z=None, dt_bias=None, d
                                               dt_bias=dt_bias, dt_softplus=softplus)
 
   def run_mosaic():
-    _slots.without_read_copy("mamba2.replay_verify[pallas_mosaic]", bufs)
     from replayssm_jax.pallas import mamba2_mosaic
     return mamba2_mosaic.replay_verify(x, dt, A, B, C, bufs, plan, lengths, D=D, z=z,
                                        dt_bias=dt_bias, dt_softplus=softplus)

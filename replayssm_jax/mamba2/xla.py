@@ -129,8 +129,8 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
       y_s = e^{L_s} (S_h C_s) + Σ_{s'≤s} e^{L_s−L_{s'}} (B_{s'}·C_s) Δx_{s'}      (then D skip, gate).
 
   Every token is appended at ``plan.write_index(i)``; flushing rows fold the committed window and
-  token 0 only: checkpoint = e^{Δ_0 A} S_h + Δx_0 B_0ᵀ. With a read copy, S_h C_s replays from the
-  copy; the fold from the checkpoint.
+  token 0 only: checkpoint = e^{Δ_0 A} S_h + Δx_0 B_0ᵀ. A read copy is not read (verify replays
+  from the float32 checkpoint, as without one); flushing rows write it with the checkpoint.
   """
   t = plan.num_tokens
   slots = plan.slots
@@ -140,13 +140,12 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
   dxh, dAh, Bhh, Chh = map(heads_first, (dx, dA, Bh, Ch))
   win = _window(bufs, slots, plan.base, plan.count)
   S_h = replay.rebuild(*win)
-  S_read = S_h if bufs.read_copy is None else replay.rebuild(*_slots.readout_window(bufs, slots, win))
   Lc = jnp.cumsum(dAh, axis=-1)                                            # [B, H, T]
   causal = jnp.tril(jnp.ones((t, t), bool))
   # Mask the exponent, not the result: e^{L_s − L_s'} for s < s' may overflow.
   decay = jnp.exp(jnp.where(causal, Lc[..., :, None] - Lc[..., None, :], -jnp.inf))
   CB = jnp.einsum("bhsn,bhtn->bhst", Chh, Bhh, precision=HIGHEST)
-  y = (jnp.exp(Lc)[..., None] * jnp.einsum("bhpn,bhtn->bhtp", S_read, Chh, precision=HIGHEST)
+  y = (jnp.exp(Lc)[..., None] * jnp.einsum("bhpn,bhtn->bhtp", S_h, Chh, precision=HIGHEST)
        + jnp.einsum("bhst,bhtp->bhsp", decay * CB, dxh, precision=HIGHEST))
   y = _finish_tokens(jnp.moveaxis(y, 2, 1), x32, D, z, lanes, x.dtype)
 

@@ -211,9 +211,11 @@ def replace_folded(bufs, folded):
 
 
 def read_copy_route(op: str, bufs, route: str, plan: ReplayPlan):
-  """(route, plan) for a replay step over ``bufs``: with a read copy the step reads the copy and
-  the fold pass writes it with the checkpoint, so the output-only route, also for plans where
-  every row flushes (no fold-and-step pass). The reconstruct route stores S itself: refused."""
+  """(route, plan) for a replay decode step over ``bufs``: with a read copy the step reads the copy
+  and the fold pass writes it with the checkpoint, so the output-only route, also for plans where
+  every row flushes (no fold-and-step pass). The reconstruct route replays the window into the
+  float32 checkpoint's tile, which would not read the copy: refused. (Verify reads the checkpoint
+  on either route; see ``replay_verify``.)"""
   if bufs.read_copy is None:
     return route, plan
   if route == "reconstruct":

@@ -364,11 +364,13 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
 
 
 def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
-                   g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, o_ref,
-                   *, scale, group, block_v, ring_size, num_tokens, rows, interpret,
-                   **scratch):
+                   g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, *refs,
+                   scale, group, block_v, ring_size, num_tokens, rows, interpret, **scratch):
   """Program (vt, h, z) verifies batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
-  rows ≥ 2 the next row's staging overlaps the current row's work)."""
+  rows ≥ 2 the next row's staging overlaps the current row's work). ``refs``: ([read_copy_ref,]
+  o_ref); with a read copy a flushing row's stored tile is also rounded into it (scratch
+  ``C_smem``)."""
+  copy_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
   vt, h, z = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
   tile = pl.ds(vt * block_v, block_v)
   hk = h // group
@@ -426,8 +428,12 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
         def _():
           # Window + token 0: the committed history only; drafts (tokens ≥ 1) are never folded.
           _store(buf["S_smem"], S.astype(buf["S_smem"].dtype))
+          if copy_ref is not None:
+            _store(buf["C_smem"], S.astype(buf["C_smem"].dtype))
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(buf["S_smem"], state_ref.at[s, h, tile])
+          if copy_ref is not None:
+            plgpu.copy_smem_to_gmem(buf["C_smem"], copy_ref.at[s, h, tile])
 
       @pl.when(live)
       def _():
@@ -503,8 +509,13 @@ def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpr
   kernel = functools.partial(_verify_kernel, scale=scale, group=hv // hk, block_v=bv,
                              ring_size=bufs.ring_size, num_tokens=t, rows=cfg.rows,
                              interpret=interpret)
-  refs = [jax.new_ref(x) for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)]
-  one = dict(S_smem=plgpu.SMEM((bv, kd), bufs.state.dtype), **_ring_scratch(bufs, 1, bv),
+  written = [bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g]
+  copy = {}
+  if bufs.read_copy is not None:   # written where the checkpoint is, from the same tile
+    written.append(bufs.read_copy)
+    copy = {"C_smem": plgpu.SMEM((bv, kd), bufs.read_copy.dtype)}
+  refs = [jax.new_ref(x) for x in written]   # written Refs: updated in place
+  one = dict(S_smem=plgpu.SMEM((bv, kd), bufs.state.dtype), **copy, **_ring_scratch(bufs, 1, bv),
              q_smem=plgpu.SMEM((t, kd), q.dtype), k_smem=plgpu.SMEM((t, kd), k.dtype),
              v_smem=plgpu.SMEM((t, bv), v.dtype), bars=plgpu.Barrier(num_barriers=4),
              tok_bars=plgpu.Barrier(num_barriers=3))
@@ -515,8 +526,9 @@ def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpr
       interpret=_interpret(interpret),
   )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, q, k, v, g, beta,
     *refs)
-  state, ring_k, ring_u, ring_g = (jax.freeze(r) for r in refs)
-  return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+  state, ring_k, ring_u, ring_g, *read_copy = (jax.freeze(r) for r in refs)
+  return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g,
+                         **({"read_copy": read_copy[0]} if read_copy else {}))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -639,7 +651,8 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
 
   q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; lengths int32[B]. Returns
   (o [B, T, Hv, V] in v.dtype, bufs). ``block_v`` overrides the config's V tile, ``rows`` its
-  batch rows per program (a power of two; reduced to one that divides B).
+  batch rows per program (a power of two; reduced to one that divides B). A read copy is not
+  read; a flushing row's stored tile is rounded into it.
   """
   cfg = _fit(config_lib.mosaic_verify_config(device_kind=common.device_kind(),
                                              head_v_dim=bufs.head_v_dim),
@@ -650,6 +663,8 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
   t = q.shape[1]   # the tokens' staged q, k [T, K] and v [T, BV]
   smem += t * (bufs.head_k_dim * (q.dtype.itemsize + k.dtype.itemsize)
                + cfg.block_v * v.dtype.itemsize)
+  if bufs.read_copy is not None:   # the copy's tile, stored beside the checkpoint's
+    smem += cfg.block_v * bufs.head_k_dim * bufs.read_copy.dtype.itemsize
   smem *= _num_buffers(cfg.rows)
   _require_lowerable("gdn.replay_verify[pallas_mosaic]", head_k_dim=bufs.head_k_dim,
                      head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,

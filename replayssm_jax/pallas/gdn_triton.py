@@ -129,9 +129,8 @@ def _flush_decode_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_
 
 
 def _reconstruct_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
-                        g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref,
-                        o_ref, state_out, ring_k_out, ring_u_out, ring_g_out,
-                        *, scale, group, block_v, ring_size, num_tokens):
+                        g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, *refs,
+                        scale, group, block_v, ring_size, num_tokens):
   """Reconstruct route of ``replay_decode`` (T = 1) and ``replay_verify``, grid (V/BV, Hv, B): one
   launch for the whole step. Inputs are [B, T, ...] as in verify.
 
@@ -139,9 +138,15 @@ def _reconstruct_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, 
   ``S ← e^{g_j} S + u_j k_jᵀ`` (the ring holds corrected values u, so the window needs no delta
   rule: ``count`` rank-one FMAs, a loop over the live entries only), then stepped through the T
   tokens by the delta rule, writing o_i and appending (k_i, u_i, g_i). A flushing row stores the
-  tile after token 0 (window + token 0: the fold, without a second pass over the batch).
-  No reductions beyond the 2T of the delta rule itself.
+  tile after token 0 (window + token 0: the fold, without a second pass over the batch), and its
+  rounding into the read copy when the buffers have one (``refs``: [read_copy_ref,] o_ref,
+  state_out, ring outputs[, copy_out]). No reductions beyond the 2T of the delta rule itself.
   """
+  with_copy = len(refs) == 7
+  if with_copy:
+    _, o_ref, state_out, ring_k_out, ring_u_out, ring_g_out, copy_out = refs
+  else:
+    o_ref, state_out, ring_k_out, ring_u_out, ring_g_out = refs
   vt, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   s = slots_ref[b]
   tile = pl.ds(vt * block_v, block_v)
@@ -172,6 +177,8 @@ def _reconstruct_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, 
         @pl.when(flush_ref[b] != 0)
         def _():
           state_out[s, h, tile, :] = S.astype(state_out.dtype)
+          if with_copy:
+            copy_out[s, h, tile, :] = S.astype(copy_out.dtype)
 
       @pl.when(live)
       def _():
@@ -252,11 +259,11 @@ def _replay_step_kernel(slots_ref, base_ref, count_ref, q_ref, k_ref, v_ref, g_r
 # Builders.
 # ----------------------------------------------------------------------------------------------
 
-def _pallas(kernel, args, *, grid, out_shape, aliases, cfg, name, interpret):
-  """pallas_call over whole GMEM operands; ``kernel`` a partial whose leading parameters name the
-  refs (inputs, then outputs)."""
-  refs = list(inspect.signature(getattr(kernel, "func", kernel)).parameters)
-  refs = [r.removesuffix("_ref") for r in refs]
+def _pallas(kernel, args, *, grid, out_shape, aliases, cfg, name, interpret, refs=None):
+  """pallas_call over whole GMEM operands; ``refs`` names them (inputs, then outputs), by default
+  ``kernel``'s leading parameters (a partial's)."""
+  if refs is None:
+    refs = [r.removesuffix("_ref") for r in inspect.signature(getattr(kernel, "func", kernel)).parameters]
   fresh = [(refs[len(args) + i], o) for i, o in enumerate(out_shape) if i not in aliases.values()]
   common.require_triton_addressable(name, **dict(zip(refs, args)), **dict(fresh))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -322,21 +329,25 @@ def _flush_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
 
 def reconstruct(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret):
   """The reconstruct route's launch (``_reconstruct_kernel``): q, k [B, T, Hk, K]; v [B, T, Hv, V];
-  g, beta [B, T, Hv]; lengths int32[B]; cfg the [BV, K] tile. Returns (o [B, T, Hv, V], bufs)."""
+  g, beta [B, T, Hv]; lengths int32[B]; cfg the [BV, K] tile. Reads the float32 checkpoint; a read
+  copy is written where the checkpoint is. Returns (o [B, T, Hv, V], bufs)."""
   batch, t, hk = q.shape[:3]
   hv, vd = bufs.num_v_heads, bufs.head_v_dim
   kernel = functools.partial(_reconstruct_kernel, scale=scale, group=hv // hk, block_v=cfg.block_v,
                              ring_size=bufs.ring_size, num_tokens=t)
-  o, state, ring_k, ring_u, ring_g = _pallas(
+  written = {"state": bufs.state, "ring_k": bufs.ring_k, "ring_u": bufs.ring_u, "ring_g": bufs.ring_g,
+             **({} if bufs.read_copy is None else {"read_copy": bufs.read_copy})}
+  inputs = ("slots", "base", "count", "flush", "lengths", "q", "k", "v", "g", "beta", *written)
+  o, state, ring_k, ring_u, ring_g, *copy = _pallas(
       kernel, (plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, q, k, v,
-               g, beta, bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g),
+               g, beta, *written.values()),
       grid=(vd // cfg.block_v, hv, batch),
       out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
-      + [jax.ShapeDtypeStruct(x.shape, x.dtype)
-         for x in (bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g)],
-      aliases={10: 1, 11: 2, 12: 3, 13: 4}, cfg=cfg, name="replayssm_gdn_reconstruct",
-      interpret=interpret)
-  return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+      + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written.values()],
+      aliases={10 + i: 1 + i for i in range(len(written))}, cfg=cfg, name="replayssm_gdn_reconstruct",
+      interpret=interpret, refs=(*inputs, "o", *(f"{n}_out" for n in written)))
+  return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g,
+                         **({"read_copy": copy[0]} if copy else {}))
 
 
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):

@@ -55,7 +55,6 @@ from replayssm_jax import config as config_lib
 from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.gdn.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
-from replayssm_jax.pallas import fold_triton
 from replayssm_jax.pallas import gdn_triton
 from replayssm_jax.replay import window_decays, window_offsets
 
@@ -226,9 +225,8 @@ def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpr
   if cfg.route == "reconstruct":
     return gdn_triton.reconstruct(q, k, v, g, beta, bufs, plan, lengths, scale=scale, cfg=step,
                                   interpret=interpret)
-  checkpoint = bufs.state if bufs.read_copy is None else bufs.read_copy   # what the readouts read
-  source = _readout(q, k, checkpoint, plan.slots, lengths, scale=scale, cfg=cfg.readout,
-                    interpret=interpret) if cfg.split else checkpoint
+  source = _readout(q, k, bufs.state, plan.slots, lengths, scale=scale, cfg=cfg.readout,
+                    interpret=interpret) if cfg.split else bufs.state
   kernel = functools.partial(_verify_step_kernel, scale=scale, group=hv // hk, block_v=step.block_v,
                              block_k=step.block_k, ring_size=bufs.ring_size, num_tokens=t,
                              split=cfg.split)
@@ -291,18 +289,18 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
   the fold pass.
 
   ``lengths`` int32[B] real tokens per row in [1, T]. Keyword knobs (``verify_cfg``): ``route``
-  (None: the config's; "output_only" or "reconstruct", one launch; buffers with a read copy take
-  the output-only route, its readouts from the copy), ``split`` (None: the
+  (None: the config's; "output_only" or "reconstruct", one launch), ``split`` (None: the
   config's) computes the output-only route's checkpoint readouts in their own launch; ``block_v``,
   ``block_k``, ``num_warps``, ``num_stages`` (step), ``readout_block_v``, ``readout_num_warps``,
   ``fold_block_v``, ``fold_block_k``, ``fold_num_warps``, ``fold_rows`` override the configs like
-  ``gdn_triton.replay_decode``'s. Returns (o [B, T, Hv, V] in v.dtype, bufs).
+  ``gdn_triton.replay_decode``'s. A read copy (``bufs.read_copy``) is not read: the verify reads
+  the float32 checkpoint and writes the copy wherever it writes the checkpoint.
+  Returns (o [B, T, Hv, V] in v.dtype, bufs).
   """
   op = "gdn.replay_verify[pallas_triton]"
   if bufs.fold != "u":
     raise NotImplementedError(f"{op}: buffers with fold={bufs.fold!r}; only fold='u' is supported")
-  route, plan = fold_triton.read_copy_route(op, bufs, knobs.pop("route", None), plan)
-  cfg = verify_cfg(op, bufs, plan, q.shape[0], route=route, **knobs)
+  cfg = verify_cfg(op, bufs, plan, q.shape[0], **knobs)
   return _replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=float(scale), cfg=cfg,
                         interpret=common.interpret_mode())
 

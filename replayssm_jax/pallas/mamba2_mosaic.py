@@ -145,10 +145,15 @@ def _after_window(smem, bars, base, count, ring_size):
 
 
 def _store_checkpoint(r, smem, S, s, h, tile):
-  """Slot s's checkpoint tile ← S, by TMA from SMEM (waited for at the program's end)."""
+  """Slot s's checkpoint tile ← S, by TMA from SMEM (waited for at the program's end); with a read
+  copy (ref ``read_copy``, scratch ``C_smem``) its rounding too."""
   _store(smem["S_smem"], S.astype(smem["S_smem"].dtype))
+  if "read_copy" in r:
+    _store(smem["C_smem"], S.astype(smem["C_smem"].dtype))
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(smem["S_smem"], r["state"].at[s, h, tile])
+  if "read_copy" in r:
+    plgpu.copy_smem_to_gmem(smem["C_smem"], r["read_copy"].at[s, h, tile])
 
 
 def _replay_kernel(*refs, names, group, block_p, ring_size, softplus, rows, interpret,
@@ -326,14 +331,15 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
   bp = cfg.block_v
   inputs = {**_step_inputs(plan.slots, x, dt, A, B, C, D, z, dt_bias), "base": plan.base,
             "count": plan.count, "flush": plan.flush.astype(jnp.int32), "lengths": lengths}
-  names = ("state", "ring_x", "ring_B", "ring_a")
+  names = ("state", "ring_x", "ring_B", "ring_a") + (() if bufs.read_copy is None else ("read_copy",))
   refs = [jax.new_ref(getattr(bufs, k)) for k in names]   # written Refs: updated in place
   tokens = _token_scratch(inputs, t, bp)
+  copy = {} if bufs.read_copy is None else {"C_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.read_copy.dtype)}
   kernel = functools.partial(_verify_kernel, names=(*inputs, *names, "y_out"),
                              group=h // bufs.num_groups, block_p=bp, ring_size=bufs.ring_size,
                              softplus=dt_softplus, num_tokens=t, rows=cfg.rows,
                              interpret=interpret)
-  one = {"S_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.state.dtype), **_ring_scratch(bufs, bp),
+  one = {"S_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.state.dtype), **copy, **_ring_scratch(bufs, bp),
          **tokens, "bars": plgpu.Barrier(num_barriers=4),
          **({"tok_bars": plgpu.Barrier(num_barriers=len(tokens))} if tokens else {})}
   y = plgpu.kernel(
@@ -397,7 +403,8 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
 
   x, z [B, T, H, P]; dt [B, T, H]; B, C [B, T, G, N]; lengths int32[B]. Returns
   (y [B, T, H, P] in x.dtype, bufs). ``block_p`` overrides the config's P tile, ``rows`` its
-  batch rows per program (a power of two; reduced to one that divides B).
+  batch rows per program (a power of two; reduced to one that divides B). A read copy is not
+  read; a flushing row's stored tile is rounded into it.
   """
   given = _step_inputs(None, x, dt, A, B, C, D, z, dt_bias)
   cfg = _replay_tile("mamba2.replay_verify[pallas_mosaic]", config_lib.mosaic_mamba2_verify_config,
@@ -415,6 +422,8 @@ def _replay_tile(op, config, bufs, block_p, tokens=None, rows=None, batch=None):
   cfg = _p_tile(op, config, p, block_p)
   smem = _smem_bytes(cfg.block_v, n, heads=1, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_x.dtype)
+  if bufs.read_copy is not None:   # (verify only) the copy's tile, stored beside the checkpoint's
+    smem += cfg.block_v * n * bufs.read_copy.dtype.itemsize
   if tokens is not None:
     smem += sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
                 for ref in tokens(cfg.block_v).values())

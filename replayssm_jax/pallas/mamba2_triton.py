@@ -291,7 +291,8 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
   kernel = functools.partial(_replay_kernel, group=h // bufs.num_groups, heads=step.heads,
                              block_p=step.block_p, block_n=step.block_n, ring_size=bufs.ring_size,
                              route=cfg.route, softplus=dt_softplus)
-  buffers = step_buffers(bufs)
+  fields = step_fields(bufs)
+  buffers = step_buffers(bufs, fields)
   out = _pallas(kernel,
                 {"slots": plan.slots, "base": plan.base, "count": plan.count,
                  "flush": plan.flush.astype(jnp.int32),
@@ -300,21 +301,31 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
                 {k: k + "_out" for k in buffers},
                 grid=(p // step.block_p, h // step.heads, batch), cfg=step,
                 name="replayssm_mamba2_replay_step", interpret=interpret)
-  return out["y_out"], fold_flushing_rows(with_step_buffers(bufs, out), plan, cfg=cfg,
+  return out["y_out"], fold_flushing_rows(with_step_buffers(bufs, out, fields), plan, cfg=cfg,
                                           interpret=interpret)
 
 
-def step_buffers(bufs) -> dict:
-  """The buffers a step or verify launch takes, aliased in place. The output-only route only reads
-  the checkpoint: from the read copy when there is one."""
-  checkpoint = bufs.state if bufs.read_copy is None else bufs.read_copy
-  return {"state": checkpoint, "ring_x": bufs.ring_x, "ring_B": bufs.ring_B, "ring_a": bufs.ring_a}
+def step_fields(bufs, *, verify: bool = False, route: str = "output_only") -> dict:
+  """Kernel ref name → ``ReplayBuffers`` field of the buffers a step or verify launch takes,
+  aliased in place. With a read copy, decode's output-only step reads the copy in the checkpoint's
+  place (the fold pass writes both); verify reads the float32 checkpoint, and on the reconstruct
+  route its kernel stores the copy (``read_copy``) where it stores the checkpoint."""
+  fields = {"state": "state", "ring_x": "ring_x", "ring_B": "ring_B", "ring_a": "ring_a"}
+  if bufs.read_copy is not None and not verify:
+    fields["state"] = "read_copy"
+  elif bufs.read_copy is not None and route == "reconstruct":
+    fields["read_copy"] = "read_copy"
+  return fields
 
 
-def with_step_buffers(bufs, out):
-  """``bufs`` with a launch's aliased ``<name>_out`` outputs of ``step_buffers`` put back."""
-  return bufs.replace(ring_x=out["ring_x_out"], ring_B=out["ring_B_out"], ring_a=out["ring_a_out"],
-                      **{"state" if bufs.read_copy is None else "read_copy": out["state_out"]})
+def step_buffers(bufs, fields: dict) -> dict:
+  """The arrays of ``step_fields``, by kernel ref name."""
+  return {name: getattr(bufs, field) for name, field in fields.items()}
+
+
+def with_step_buffers(bufs, out, fields: dict):
+  """``bufs`` with a launch's aliased ``<name>_out`` outputs of ``step_fields`` put back."""
+  return bufs.replace(**{field: out[name + "_out"] for name, field in fields.items()})
 
 
 def fold_flushing_rows(bufs, plan: ReplayPlan, *, cfg, interpret):

@@ -48,7 +48,7 @@ from replayssm_jax.pallas import common
 from replayssm_jax.pallas import fold_triton
 from replayssm_jax.pallas.mamba2_triton import (_check_sizes, _decode_step, _finish, _fit, _pallas,
                                                 _step_inputs, _token, _window, fold_flushing_rows,
-                                                step_buffers, with_step_buffers)
+                                                step_buffers, step_fields, with_step_buffers)
 from replayssm_jax.replay import window_offsets
 
 f32 = jnp.float32
@@ -159,6 +159,8 @@ def _reconstruct_kernel(*refs, names, group, block_p, ring_size, tokens, softplu
         @pl.when(r["flush"][b] != 0)   # checkpoint ← window + token 0; drafts are never folded
         def _():
           r["state_out"][s, h, tile, :] = S.astype(r["state_out"].dtype)
+          if "read_copy_out" in r:
+            r["read_copy_out"][s, h, tile, :] = S.astype(r["read_copy_out"].dtype)
       _store_if(r["ring_x_out"].at[s, h, put, tile], dx, real)
       _store_if(r["ring_a_out"].at[s, h, put], dA, real & (pt == 0))
       _store_if(r["ring_B_out"].at[s, g, put, :], r["B"][b, i, g, :].astype(f32),
@@ -206,7 +208,8 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
                                block_p=step.block_p, ring_size=bufs.ring_size, tokens=t,
                                softplus=dt_softplus)
     grid = (p // step.block_p, h // step.heads, batch)
-  buffers = step_buffers(bufs)
+  fields = step_fields(bufs, verify=True, route=cfg.route)
+  buffers = step_buffers(bufs, fields)
   out = _pallas(kernel,
                 {"slots": plan.slots, "base": plan.base, "count": plan.count,
                  "flush": plan.flush.astype(jnp.int32), "lengths": lengths,
@@ -216,7 +219,7 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
                 grid=grid, cfg=step, name=f"replayssm_mamba2_replay_verify_{cfg.route}",
                 interpret=interpret)
   # Output-only: flushing rows fold window + token 0 (drafts are never folded) in the fold pass.
-  return out["y_out"], fold_flushing_rows(with_step_buffers(bufs, out), plan, cfg=cfg,
+  return out["y_out"], fold_flushing_rows(with_step_buffers(bufs, out, fields), plan, cfg=cfg,
                                           interpret=interpret)
 
 
@@ -274,8 +277,8 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
     bufs: mamba2.ReplayBuffers (aliased in place); plan: ReplayPlan with num_tokens = T.
     lengths: int32[B] real tokens per row in [1, T].
     route: None (the config's), "output_only" or "reconstruct" (the window replayed into the
-      tile; one head per program). Buffers with a read copy take the output-only route, its
-      readouts from the copy.
+      tile; one head per program). A read copy is not read: verify reads the float32
+      checkpoint and writes the copy wherever it writes the checkpoint.
     block_p (P rows per program), heads (heads per program), num_warps, num_stages: the step's
       config overrides; block_n: the N tile of the output-only route's fold pass.
 
@@ -283,7 +286,6 @@ def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths
     (y [B, T, H, P] in x's dtype, bufs).
   """
   op = "mamba2.replay_verify[pallas_triton]"
-  route, plan = fold_triton.read_copy_route(op, bufs, route, plan)
   cfg = verify_cfg(op, bufs, plan, x.shape[0], route=route, block_p=block_p, block_n=block_n,
                    heads=heads, num_warps=num_warps, num_stages=num_stages)
   return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,

@@ -129,8 +129,9 @@ class EngineConfig:
       it is refused at ``submit``.
     state_dtype, ring_dtype: cache dtypes (see ``LM.init_cache``).
     read_copy_dtype: None, or "bfloat16" / "float16": a 16-bit read copy of every float32
-      checkpoint that decode and verify steps read (``LM.init_cache(read_copy_dtype=)``, bench/RESULTS.md
-      "Read copy"); ReplaySSM decode and verify only (``replay=True``).
+      checkpoint that decode steps read (``LM.init_cache(read_copy_dtype=)``, bench/RESULTS.md
+      "Read copy"); verify steps read the checkpoint and keep the copy in step. ReplaySSM only
+      (``replay=True``).
     implementation: forwarded to the GDN / Mamba2 ops (None = fastest available).
     overlap: dispatch each step from the previous step's tokens on the device before the host
       reads them, so the host's bookkeeping of step t runs while step t + 1 computes (see the
