@@ -280,12 +280,28 @@ H200 = DeviceTables(
                                  "moe_decode_2026-12-04_prefill_rows.json")),
 )
 
-# Any other GPU: the H200's tiles (the only GPU measured), and no Mosaic preference for verify
-# (the Mosaic kernels were measured faster on the H200 only).
+# H100: the H200's tiles (not swept on the H100), with the Mosaic verify preference measured on
+# one H100. f32, L = 8, ms Triton reconstruct / Mosaic: GDN T = 2 B = 8 0.0158 / 0.0163, B = 256
+# 0.3059 / 0.2978 (a tie: Triton stays first); T = 4 B = 32 / 128 / 256 0.0710 / 0.0585,
+# 0.2540 / 0.2065, 0.4996 / 0.4016; T = 8 B = 8 0.0360 / 0.0274, B = 256 0.8642 / 0.6296; Mamba2
+# T = 4 B = 256 0.9426 / 0.6787 (its other shapes follow the H200, where Mosaic led at every one).
+H100 = dataclasses.replace(
+    H200, kind="H100",
+    verify_mosaic=Table({
+        ("gdn", "f32"): (({"tokens": (4, None)}, True), ({}, False)),
+        ("gdn", "bf16"): always(False),
+        ("mamba2", "f32"): (({"tokens": (4, None)}, True), ({}, False)),
+        ("mamba2", "bf16"): always(False),
+    }, source=("verify_gdn_2026-12-06_h100_rows_routes_read_copy.json",
+               "verify_gdn_2026-12-06_h100_T2_T8.json",
+               "verify_mamba2_2026-12-06_h100_routes_read_copy.json",
+               "untuned on the H100: Mamba2 at T != 4 or B < 256, and bf16 state")))
+
+# Any other GPU: the H200's tiles, and no Mosaic preference for verify (measured on Hopper only).
 OTHER_GPU = dataclasses.replace(
     H200, kind="other GPU",
     verify_mosaic=Table({key: always(False) for key in H200.verify_mosaic.rows},
-                        source=("untuned: measured on the H200 only",)))
+                        source=("untuned: measured on the H200 and H100 only",)))
 
 _INTERPRET = ("interpret mode: speed is irrelevant; two tiles per head (and per program, and "
               "two heads or rows per program) make the CPU tests cover the kernels' tile indexing",)
@@ -362,7 +378,10 @@ FOLD_ROW_SLOTS = Table({"decode": always(1), "verify": always(2)},
                                "untuned for verify: twice the expected flushing rows"))
 
 def for_device(device_kind: str) -> DeviceTables:
-  """The tables of a device kind: CPU, an H200 (any kind naming it), else ``OTHER_GPU``."""
+  """The tables of a device kind: CPU, an H200 or an H100 (any kind naming it), else
+  ``OTHER_GPU``."""
   if device_kind.lower() == "cpu":
     return CPU
-  return H200 if "H200" in device_kind else OTHER_GPU
+  if "H200" in device_kind:
+    return H200
+  return H100 if "H100" in device_kind else OTHER_GPU

@@ -1,7 +1,8 @@
 """Launch configs of the Pallas kernels, chosen by hardware and shape. Never autotuned at run time.
 
 The choices are data: replayssm_jax/_launch_tables.py holds, per device kind, the tables measured
-on the H200 (each citing the result that set it) and the interpret-mode tiles of the CPU tests.
+on the H200 (each citing the result that set it), the H100's (the H200's tiles with its own
+verify preference) and the interpret-mode tiles of the CPU tests.
 This module holds the config types and the short rules that pick from those tables; entries the
 tables mark *untuned* are a best guess awaiting a sweep (the kernel wrappers take tile overrides
 for that).

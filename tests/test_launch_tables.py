@@ -14,8 +14,8 @@ from replayssm_jax import _launch_tables as tables
 from replayssm_jax import config
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
-DEVICES = {"NVIDIA H200": tables.H200, "NVIDIA H100 80GB HBM3": tables.OTHER_GPU,
-           "cpu": tables.CPU}
+DEVICES = {"NVIDIA H200": tables.H200, "NVIDIA H100 80GB HBM3": tables.H100,
+           "NVIDIA A100-SXM4-80GB": tables.OTHER_GPU, "cpu": tables.CPU}
 STATES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 FAMILY_STATE = tuple(itertools.product(("gdn", "mamba2"), STATES))
 # Inputs a ladder may bound, the values the grid below tries, and the value used where a ladder

@@ -31,8 +31,23 @@ def test_verify_rule(family, state_dtype, tokens, batch, expected):
                                            num_tokens=tokens, batch=batch) == expected
 
 
+@pytest.mark.parametrize("family,state_dtype,tokens,batch,expected", [
+    ("gdn", jnp.float32, 4, 32, ("pallas_mosaic",)),
+    ("gdn", jnp.float32, 8, 8, ("pallas_mosaic",)),
+    ("gdn", jnp.float32, 2, 256, ()),            # within 3 % both ways at T = 2: Triton stays first
+    ("gdn", jnp.float32, 2, 1, ()),              # unlike the H200, T = 2 B = 8 favoured Triton
+    ("mamba2", jnp.float32, 4, 256, ("pallas_mosaic",)),
+    ("mamba2", jnp.float32, 2, 256, ()),         # unmeasured on the H100
+    ("gdn", jnp.bfloat16, 4, 256, ()),           # unmeasured on the H100
+])
+def test_verify_rule_h100(family, state_dtype, tokens, batch, expected):
+  assert config_lib.verify_implementations(device_kind="NVIDIA H100 80GB HBM3", family=family,
+                                           state_dtype=state_dtype, num_tokens=tokens,
+                                           batch=batch) == expected
+
+
 def test_verify_rule_other_devices_and_bad_family():
-  for kind in ("cpu", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"):
+  for kind in ("cpu", "NVIDIA A100-SXM4-80GB"):
     assert config_lib.verify_implementations(device_kind=kind, family="gdn", state_dtype=jnp.float32,
                                              num_tokens=4, batch=256) == ()
   with pytest.raises(ValueError, match="family='rwkv'"):
