@@ -28,8 +28,9 @@ class ReplayBuffers:
       bytes of every step); every write of the checkpoint writes it too, so it always equals
       ``state.astype(read_copy.dtype)``. Outputs and the corrected values u of decode steps see
       one rounding of S_c to 16 bits per step (S·q, S·k); the checkpoint and the fold stay
-      float32. Speculative verify reads the float32 checkpoint (its reconstruct kernels replay
-      the window into the tile, which the copy would not shorten).
+      float32. Speculative verify reads the float32 checkpoint and writes the copy with it:
+      reading the copy would force verify onto its output-only route, 2.4x slower than the
+      reconstruct kernels on an H100 (bench/NOTES.md, "Read copy").
     fold: how a flush folds the window into the checkpoint (static):
       "u": from the cached corrected values, ``S = e^{Σg} S_c + Σ_j e^{Σ_{i>j} g_i} u_j k_jᵀ``. The
         u's were computed from a replayed state, so their rounding (storage dtype, the verify

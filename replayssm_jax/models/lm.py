@@ -434,8 +434,9 @@ class LM(nnx.Module):
         (``num_tokens <= max_draft + 1``).
       state_dtype, ring_dtype: recurrent checkpoint and ring dtypes (``ReplayBuffers.create``).
       read_copy_dtype: None, or bfloat16 / float16 for a 16-bit read copy of every float32
-        checkpoint, which ReplaySSM decode and verify steps read instead
-        (``gdn.ReplayBuffers.read_copy``; ``replay=False`` refuses such a cache).
+        checkpoint, which ReplaySSM decode steps read instead; verify steps read the checkpoint
+        and write the copy with it (``gdn.ReplayBuffers.read_copy``; ``replay=False`` refuses such
+        a cache).
       max_len: KV capacity in tokens per slot (prompt + generated + drafts); required when the
         model has attention layers.
       kv_dtype: KV cache dtype (default: the model dtype).

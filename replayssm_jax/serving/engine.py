@@ -192,7 +192,7 @@ class EngineConfig:
       raise ValueError(f"replay={self.replay!r}; expected a bool")
     if self.read_copy_dtype is not None and not self.replay:
       raise ValueError(f"read_copy_dtype={self.read_copy_dtype!r} with replay=False: only ReplaySSM "
-                       f"decode and verify read the copy (conventional steps would leave it stale)")
+                       f"steps keep the copy in step (conventional steps would leave it stale)")
     if self.overlap is not None and not isinstance(self.overlap, bool):
       raise ValueError(f"overlap={self.overlap!r}; expected None or a bool")
     if self.overlap and self.prefix_block and self.num_drafts:
