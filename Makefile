@@ -9,9 +9,10 @@ STAMP  := $(VENV)/.installed
 LATEST := .venv-jax-latest
 PY_LATEST    := $(LATEST)/bin/python
 STAMP_LATEST := $(LATEST)/.installed
-# XLA's CPU compiler segfaults now and then while compiling the serving engine's programs
-# (bench/NOTES.md, "Harness, CI and interpreter hazards"): a test whose worker dies runs again, at
-# most twice (pytest-rerunfailures); a test that fails any other way is never rerun.
+# A test whose worker dies of a native crash runs again, at most twice (pytest-rerunfailures); a
+# test that fails any other way is never rerun. The crash seen so far, XLA's CPU compiler out of
+# memory mappings, is prevented in tests/conftest.py (bench/NOTES.md, "Harness, CI and interpreter
+# hazards").
 PYTEST := -m pytest -n 2 --durations=15 --reruns=2 --only-rerun="crashed while running"
 
 .PHONY: test test-pinned test-latest demo install bench notebooks clean

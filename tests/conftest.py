@@ -16,9 +16,16 @@ The suite is dominated by compiling many small programs (interpreted Pallas kern
 loops), not by running them, so XLA's LLVM backend runs at optimization level 0 unless XLA_FLAGS
 already chooses one (``helpers.with_xla_flags`` passes it on to subprocesses). That changes how fast
 the compiled code is, not what it computes; on CPU it cut a 73 s sample of the suite to 57 s.
+
+Every program XLA compiles for the CPU keeps a few memory mappings for as long as JAX caches it: a
+worker that ran the serving tests held ~25,000 after 36 tests, and at the kernel's limit
+(``vm.max_map_count``, 65,530 by default) the next mapping fails: XLA's compiler segfaults or Python
+"can't start new thread". After a test that leaves the worker above half the limit, JAX's caches
+are cleared (``pytest_runtest_teardown``); its programs compile again when a later test needs them.
 """
 import gc
 import os
+from pathlib import Path
 
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
@@ -67,6 +74,24 @@ def pytest_sessionfinish(session):
   if hasattr(session.config, "workerinput"):
     gc.collect()
     gc.freeze()
+
+
+def _mapping_counts() -> tuple[int, int] | None:
+  """(memory mappings this process holds, the kernel's limit per process), or None off Linux."""
+  try:
+    limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    with open("/proc/self/maps", "rb") as maps:
+      return sum(1 for _ in maps), limit
+  except OSError:
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+  counts = _mapping_counts()
+  if counts is not None and counts[0] > counts[1] // 2:
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
