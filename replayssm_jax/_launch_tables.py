@@ -79,6 +79,7 @@ class DeviceTables:
   mamba2_verify_output_only: Table  # Mamba2 verify output-only step; by tokens
   mamba2_materialize: Table        # Mamba2 materialize tile
   mosaic: Table                    # Mosaic GPU kernels: state-tile rows, batch rows per program
+  gdn_verify_mosaic_rows: Table    # GDN Mosaic verify: batch rows per program; by tokens, batch
   attention_decode: Table          # decode attention: K/V block, warps, stages, split target; by head_dim
   grouped_matmul: Table            # MoE grouped matmul tile; by rows (token-expert pairs)
 
@@ -261,6 +262,17 @@ H200 = DeviceTables(
         "default,r2,r4 --batches 256 --buffer-lens 8 --state-dtypes float32; python -m "
         "bench.verify_decode --family {gdn,mamba2} --tokens 4 --batches 256 --buffer-len 8 "
         "--state-dtypes float32 --arms replay-mosaic,conv-pallas --variants ,rows=2,rows=4",)),
+    # GDN verify, f32, L = 8, rows 1 / 4, ms. H200 T = 4 B = 256 0.388 / 0.366. H100 T = 4 B = 8
+    # 0.0202 / 0.0236 (rows 2 0.0196), B = 32 0.0584 / 0.0586, B = 64 0.1073 / 0.1057, B = 128
+    # 0.2061 / 0.1987, B = 256 0.4016 / 0.3872; T = 2 B = 32 0.0437 / 0.0443, B = 256 0.3009 /
+    # 0.2786; T = 8 B = 32 0.0886 / 0.2548, B = 256 0.6305 / 2.0420 (four rows' T staged tokens
+    # crowd SMEM). Four rows from B = 128 at T <= 4; one elsewhere.
+    gdn_verify_mosaic_rows=Table(
+        {ANY: (({"tokens": (None, 4), "batch": (128, None)}, 4), ({}, 1))},
+        source=("verify_gdn_2026-12-01_mosaic_rows.json",
+                "verify_gdn_2026-12-06_h100_rows_routes_read_copy.json",
+                "verify_gdn_2026-12-06_h100_T4_rows_batches.log",
+                "verify_gdn_2026-12-06_h100_T2_T8_rows.json")),
     # Qwen3.5-4B layer (Dh 256), 1k context, ms: B = 256 block 32 / 4 warps / 2 stages 0.2953,
     # block 64 0.3058, 8 warps 0.3133-0.3524; B = 32 block 32 0.0455, block 64 0.0450, one split
     # instead of several 0.0605. Dh <= 128 (Nemotron-H): *untuned*, the same bytes per block.
@@ -343,6 +355,7 @@ CPU = DeviceTables(
     # Interpret mode ignores Mosaic layouts: 16-row tiles give two tiles per 32-row head; four rows
     # per program cover the double-buffered row loop.
     mosaic=Table({ANY: always({"block_v": 16, "rows": 4})}, source=_INTERPRET),
+    gdn_verify_mosaic_rows=Table({ANY: always(4)}, source=_INTERPRET),
     attention_decode=Table(H200.attention_decode.rows,
                            source=("interpret mode: the GPU's blocks, so CPU tests see the split rule "
                                    "and short-pool clipping as the GPU does",)),

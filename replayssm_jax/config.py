@@ -521,12 +521,16 @@ def mosaic_mamba2_replay_config(*, device_kind: str, head_dim: int) -> MosaicCon
   return mosaic_mamba2_decode_config(device_kind=device_kind, head_dim=head_dim)
 
 
-def mosaic_verify_config(*, device_kind: str, head_v_dim: int) -> MosaicConfig:
-  """Verify (reconstruct route), grid (V/BV, Hv, B / rows): one checkpoint tile and the row's ring
-  in SMEM per row in flight. The replay tile, the smallest that lowers (Mosaic's WGMMA layout
-  cannot go below 64 rows)."""
-  return mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
-                              head_v_dim=head_v_dim, num_k_heads=1, group=1, batch=1)
+def mosaic_verify_config(*, device_kind: str, head_v_dim: int, batch: int,
+                         num_tokens: int) -> MosaicConfig:
+  """Verify (reconstruct route), grid (V/BV, Hv, B / rows): one checkpoint tile, the row's ring and
+  its T tokens in SMEM per row in flight. The replay tile, the smallest that lowers (Mosaic's
+  WGMMA layout cannot go below 64 rows); rows per program by tokens and batch."""
+  cfg = mosaic_replay_config(device_kind=device_kind, state_dtype=jnp.float32,
+                             head_v_dim=head_v_dim, num_k_heads=1, group=1, batch=batch)
+  rows = _pick(tables.for_device(device_kind).gdn_verify_mosaic_rows, batch=batch,
+               tokens=num_tokens)
+  return dataclasses.replace(cfg, rows=rows)
 
 
 def mosaic_mamba2_verify_config(*, device_kind: str, head_dim: int) -> MosaicConfig:

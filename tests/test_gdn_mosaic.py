@@ -208,7 +208,7 @@ def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
   assert flushes[1] >= 3
   assert_rows_agree(finals)
   with pytest.raises(ValueError, match="rows=3"):
-    dataclasses.replace(real(device_kind="cpu", head_v_dim=V), rows=3)
+    dataclasses.replace(real(device_kind="cpu", head_v_dim=V, batch=4, num_tokens=2), rows=3)
 
 
 def test_the_mosaic_kernels_run():

@@ -233,6 +233,10 @@ CHECKS = {
                                                            head_v_dim=V),
                                config.mosaic_mamba2_verify_config(device_kind=kind, head_dim=P)),
         lambda e, kind, key, pt: (config.MosaicConfig(**e),) * 2),
+    "gdn_verify_mosaic_rows": (
+        lambda kind, key, pt: config.mosaic_verify_config(
+            device_kind=kind, head_v_dim=V, batch=pt["batch"], num_tokens=pt["tokens"]).rows,
+        lambda e, kind, key, pt: e),
     "attention_decode": (_attention_launch,
                          lambda e, kind, key, pt: (e["block_kv"], e["num_warps"], e["num_stages"])),
     "grouped_matmul": (lambda kind, key, pt: config.grouped_matmul_config(device_kind=kind,
@@ -275,7 +279,7 @@ def test_values_are_valid():
         for _, value in ladder:
           if name in ("verify_route", "mamba2_replay_route"):
             assert value in config.ROUTES
-          elif name in ("gdn_fold_tiles", "mamba2_fold_tiles"):
+          elif name in ("gdn_fold_tiles", "mamba2_fold_tiles", "gdn_verify_mosaic_rows"):
             assert config._pow2(value)
           elif name == "verify_mosaic":
             assert isinstance(value, bool)

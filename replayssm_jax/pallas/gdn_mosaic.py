@@ -655,7 +655,8 @@ def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengt
   read; a flushing row's stored tile is rounded into it.
   """
   cfg = _fit(config_lib.mosaic_verify_config(device_kind=common.device_kind(),
-                                             head_v_dim=bufs.head_v_dim),
+                                             head_v_dim=bufs.head_v_dim, batch=q.shape[0],
+                                             num_tokens=q.shape[1]),
              bufs.head_v_dim, block_v)
   cfg = _with_rows(cfg, rows, q.shape[0])
   smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=1, state_dtype=bufs.state.dtype,
