@@ -130,8 +130,22 @@ they are folded into the converted weights (and the biases of the maps whose out
 ``mlp_multipliers[0]`` the gate before its silu, the rest an output. Exact up to float rounding.
 
 Here I = H·P, C = I + 2·G·N (Mamba2) or 2·Hk·K + Hv·V (GDN), S = ``shared_intermediate_size``.
-Ignored tensors: ``mtp.*`` (multi-token-prediction heads) and the vision tower (``visual.*``,
-``model.visual.*``).
+Ignored tensors: the vision tower (``visual.*``, ``model.visual.*``), and ``mtp.*`` outside
+Qwen3-Next / Qwen3.5 checkpoints.
+
+**Multi-token prediction** (Qwen3-Next / Qwen3.5 with ``mtp_num_hidden_layers`` 1 and ``mtp.*``
+tensors; ``models.mtp``): ``LMConfig.mtp_layers = 1`` and
+
+====================================================  ===========================================
+``mtp.fc.weight`` [D, 2·D]                               ``mtp.fc.kernel`` (transposed; input columns embedding | hidden)
+``mtp.pre_fc_norm_embedding.weight``, ``mtp.pre_fc_norm_hidden.weight``, ``mtp.norm.weight`` [D]   the same names (zero-centred)
+``mtp.layers.0.input_layernorm.weight``, ``post_attention_layernorm.weight`` [D]   ``mtp.block.mixer_norm`` / ``mlp_norm``
+``mtp.layers.0.self_attn.*``, ``mtp.layers.0.mlp.*``     ``mtp.block.mixer.*``, ``mtp.block.mlp.*`` (as a model layer's)
+====================================================  ===========================================
+
+A config that declares the head while the files hold no ``mtp.*`` tensor (transformers'
+``save_pretrained`` drops them) loads without it (logged). ``mtp_use_dedicated_embeddings`` true
+and more than one MTP layer raise ``NotImplementedError``.
 
 Mamba2 step size: Δ = softplus(dt + dt_bias) clipped to ``time_step_limit`` ((0, ∞) in released
 checkpoints, so nothing is clipped), as NVIDIA's reference implementation does, in prefill and
@@ -148,6 +162,7 @@ Errors: a tensor the mapping does not know, a missing tensor, or a wrong shape r
 not a property of the weights: choose it when generating (``generate(..., replay=...)``,
 ``serving.EngineConfig(replay=...)``).
 """
+import dataclasses
 import json
 import logging
 import math
@@ -167,7 +182,7 @@ logger = logging.getLogger(__name__)
 QWEN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 QWEN_MOE_EVERY_LAYER = ("qwen3_5_moe", "qwen3_5_moe_text")
 VISION_PREFIXES = ("visual.", "model.visual.")
-IGNORED_PREFIXES = ("mtp.",) + VISION_PREFIXES
+MTP_PREFIX = "mtp."
 _NOT_USED = dict(num_k_heads=1, num_v_heads=1, head_k_dim=1, head_v_dim=1)  # no GDN layers
 QWEN_LAYERS = {"linear_attention": "gdn", "full_attention": "attention"}
 # Nemotron-H layer kinds: transformers 5.x names (and their legacy aliases), and the pattern letters.
@@ -201,7 +216,16 @@ def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128):
                      f"directory (config.json + *.safetensors)")
   hf = read_config(path / "config.json")
   family, config = _plan(hf, dtype=dtype, max_prompt_len=max_prompt_len)
-  values = _convert(hf, family, config, _read_tensors(path))
+  tensors = _read_tensors(path)
+  has_mtp = any(n.startswith(MTP_PREFIX) for n in tensors)
+  if config.mtp_layers and not has_mtp:
+    logger.info("load_pretrained(%s): config.json declares mtp_num_hidden_layers=%d but no mtp.* "
+                "tensor is present; loading without the multi-token-prediction head", path,
+                config.mtp_layers)
+    config = dataclasses.replace(config, mtp_layers=0)
+  if not config.mtp_layers:
+    tensors = {n: a for n, a in tensors.items() if not n.startswith(MTP_PREFIX)}
+  values = _convert(hf, family, config, tensors)
   model = nnx.eval_shape(lambda: LM(config, rngs=nnx.Rngs(0)))
   for target, value in values.items():
     _assign(model, target, value)
@@ -247,7 +271,7 @@ def _read_tensors(path: pathlib.Path) -> dict:
   if vision:
     logger.warning("load_pretrained(%s): skipped the vision tower (%d tensors under model.visual.*): "
                    "replayssm_jax loads the language model only (text in, text out)", path, vision)
-  return {n: a for n, a in tensors.items() if not n.startswith(IGNORED_PREFIXES)}
+  return {n: a for n, a in tensors.items() if not n.startswith(VISION_PREFIXES)}
 
 
 def _get(hf: dict, key: str, default=None, *, required=True):
@@ -364,6 +388,18 @@ def _plan_qwen(hf, dtype, max_prompt_len):
         rotary_dim=rotary, rope_theta=theta, qk_norm=True, norm_offset=1.0, output_gate=True,
         bias=bool(hf.get("attention_bias", False)))
   gdn = "gdn" in types
+  mtp_layers = hf.get("mtp_num_hidden_layers") or 0
+  if not isinstance(mtp_layers, int) or isinstance(mtp_layers, bool) or mtp_layers < 0:
+    raise ValueError(f"config.json mtp_num_hidden_layers={mtp_layers!r}; expected an int >= 0")
+  if mtp_layers > 1:
+    raise NotImplementedError(f"mtp_num_hidden_layers={mtp_layers}: a multi-token-prediction head of "
+                              f"more than one layer is not implemented")
+  if mtp_layers and hf.get("mtp_use_dedicated_embeddings"):
+    raise NotImplementedError("mtp_use_dedicated_embeddings=true (an MTP head with its own "
+                              "embedding) is not implemented")
+  if mtp_layers and attention is None:
+    raise NotImplementedError("an MTP head in a model without full-attention layers (its block "
+                              "takes the model's attention shape)")
   config = LMConfig(
       vocab_size=_int(hf, "vocab_size"), hidden_size=_int(hf, "hidden_size"), num_layers=n,
       num_k_heads=_int(hf, "linear_num_key_heads") if gdn else 1,
@@ -372,7 +408,8 @@ def _plan_qwen(hf, dtype, max_prompt_len):
       head_v_dim=_int(hf, "linear_value_head_dim") if gdn else 1,
       intermediate_size=intermediate, conv_kernel=_int(hf, "linear_conv_kernel_dim", 4),
       rms_eps=float(_get(hf, "rms_norm_eps", 1e-6)), dtype=dtype, max_prompt_len=max_prompt_len,
-      layer_types=types, norm_offset=1.0, attention=attention, moe=moe, mlp_types=mlp_types)
+      layer_types=types, norm_offset=1.0, attention=attention, moe=moe, mlp_types=mlp_types,
+      mtp_layers=mtp_layers)
   return "qwen", config
 
 
@@ -674,7 +711,24 @@ def _convert(hf, family: str, config: LMConfig, tensors: dict) -> dict:
       out[blk + "mlp_norm.weight"] = norm
       out[blk + "mlp.up.kernel"] = t.take(layer + "mixer.up_proj.weight", (c.intermediate_size, d)).T
       out[blk + "mlp.down.kernel"] = t.take(layer + "mixer.down_proj.weight", (d, c.intermediate_size)).T
+  if c.mtp_layers:
+    out.update(_mtp(t, c))
   t.finish()
+  return out
+
+
+def _mtp(t: _Tensors, c: LMConfig) -> dict:
+  """The Qwen3-Next / Qwen3.5 multi-token-prediction head (``mtp.*``; module docstring)."""
+  d, src = c.hidden_size, MTP_PREFIX + "layers.0."
+  out = {"mtp.fc.kernel": t.take(MTP_PREFIX + "fc.weight", (d, 2 * d),
+                                 what="(input columns: embedding | hidden)").T}
+  for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+    out[f"mtp.{name}.weight"] = t.take(MTP_PREFIX + name + ".weight", (d,))
+  out["mtp.block.mixer_norm.weight"] = t.take(src + "input_layernorm.weight", (d,))
+  out["mtp.block.mlp_norm.weight"] = t.take(src + "post_attention_layernorm.weight", (d,))
+  out.update(_attention(t, src + "self_attn.", "mtp.block.mixer.", c))
+  mlp = _moe if c.mtp_mlp == "moe" else _swiglu
+  out.update(mlp(t, src + "mlp.", "mtp.block.mlp.", c))
   return out
 
 

@@ -57,6 +57,7 @@ from replayssm_jax.models import _stack_verify
 from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, GdnLayerCache
 from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config, Mamba2LayerCache
 from replayssm_jax.models.moe import MoE, MoEConfig
+from replayssm_jax.models.mtp import MTPCache, MTPHead
 from replayssm_jax.pallas import common as pallas_common
 
 f32 = jnp.float32
@@ -103,6 +104,9 @@ class LMConfig:
     embedding_multiplier: scales the token embeddings (Granite 4.0's ``embedding_multiplier``).
     residual_multiplier: scales every mixer and MLP output before its residual add (Granite).
     logits_scaling: the logits are the head's output divided by it (Granite).
+    mtp_layers: 0, or 1 for a multi-token-prediction head (``models.mtp``; Qwen3.5 / Qwen3-Next
+      ``mtp_num_hidden_layers``): one attention block with the model's MLP kind, which needs
+      ``attention``.
   """
   vocab_size: int
   hidden_size: int
@@ -132,6 +136,7 @@ class LMConfig:
   embedding_multiplier: float = 1.0
   residual_multiplier: float = 1.0
   logits_scaling: float = 1.0
+  mtp_layers: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "intermediate_size", "max_prompt_len"):
@@ -171,6 +176,14 @@ class LMConfig:
       raise ValueError(f"mlp_types={self.mlp_types!r}; expected None or {self.num_layers} entries, "
                        f"each one of {MLP_TYPES}")
     object.__setattr__(self, "mlp_types", tuple(mlps))
+    if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or self.mtp_layers < 0:
+      raise ValueError(f"mtp_layers={self.mtp_layers!r}; expected an int >= 0")
+    if self.mtp_layers > 1:
+      raise NotImplementedError(f"mtp_layers={self.mtp_layers}: a multi-token-prediction head of "
+                                f"more than one layer (released Qwen3.5 / Qwen3-Next checkpoints have one)")
+    if self.mtp_layers and not isinstance(self.attention, AttentionConfig):
+      raise ValueError(f"mtp_layers={self.mtp_layers} with attention={self.attention!r}; expected an "
+                       f"AttentionConfig (the head's block is a full-attention layer)")
     uses_moe = any(self.block_mlp(i) == "moe" for i in range(self.num_layers))
     if uses_moe and not isinstance(self.moe, MoEConfig):
       raise ValueError(f"the model has mixture-of-experts MLPs (layer_types / mlp_types) but "
@@ -234,6 +247,11 @@ class LMConfig:
     return self.mlp_types[i] if self.mixer_mlp else None
 
   @property
+  def mtp_mlp(self) -> str:
+    """The MLP of the MTP head's block: a mixture of experts where the model has them."""
+    return "moe" if "moe" in (self.block_mlp(i) for i in range(self.num_layers)) else "dense"
+
+  @property
   def has_attention(self) -> bool:
     return "attention" in self.layer_types or "parallel" in self.layer_types
 
@@ -267,12 +285,15 @@ class LMCache:
       is ``stacks[i][n, read_index[n]]``; the layer's ``bufs.state`` is then only prefill's
       output), None for attention.
     read_index: None, or int32[N] with ``stacks``: the stack entry holding each slot's state.
+    mtp: None, or (``init_cache(mtp_drafts=k)``) the MTP head's ``MTPCache``: its KV cache
+      (positions shared with the model's) and each slot's k pending drafts.
   """
   layers: tuple
   cursor: ReplayCursor
   positions: jax.Array
   stacks: tuple | None = None
   read_index: jax.Array | None = None
+  mtp: MTPCache | None = None
 
 
 @flax.struct.dataclass
@@ -287,11 +308,14 @@ class VerifyStep:
       layer (its stored inputs, then the T tokens' pre-conv inputs), None for attention.
     replay: static; False for a conventional verify (the stacks hold the T states; commit moves
       ``read_index``, not the cursor).
+    hidden: None, or (``verify(return_hidden=True)``) the final-normed hidden states [B, T, D]
+      that the MTP head drafts from (``mtp_draft``).
   """
   cache: LMCache
   plan: ReplayPlan
   windows: tuple
   replay: bool = flax.struct.field(pytree_node=False, default=True)
+  hidden: jax.Array | None = None
 
 
 class RMSNorm(nnx.Module):
@@ -408,6 +432,7 @@ class LM(nnx.Module):
     self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_eps, dtype=c.dtype, offset=c.norm_offset)
     self.head = nnx.Linear(c.hidden_size, c.vocab_size, use_bias=False, dtype=c.dtype,
                            param_dtype=c.dtype, rngs=rngs)
+    self.mtp = MTPHead(c, rngs=rngs) if c.mtp_layers else None
     # Mesh axis over which mixer outputs are partial sums (set on the per-device model that
     # ``shard_model`` builds: its mixers hold the local heads, so out_proj gives partial sums).
     self.tp_axis = None
@@ -424,7 +449,8 @@ class LM(nnx.Module):
 
   def init_cache(self, num_slots: int, *, buffer_len: int = 16, max_draft: int = 0,
                  state_dtype=jnp.float32, ring_dtype=None, read_copy_dtype=None,
-                 max_len: int | None = None, kv_dtype=None, verify_stacks: bool = False) -> LMCache:
+                 max_len: int | None = None, kv_dtype=None, verify_stacks: bool = False,
+                 mtp_drafts: int = 0) -> LMCache:
     """Zeroed cache for ``num_slots`` slots.
 
     Args:
@@ -442,6 +468,8 @@ class LM(nnx.Module):
       kv_dtype: KV cache dtype (default: the model dtype).
       verify_stacks: also allocate the state stacks [N, max_draft + 1, ...] (state_dtype) of
         conventional speculative verify (``verify(replay=False)``).
+      mtp_drafts: k >= 1 allocates the MTP head's cache (``LMCache.mtp``): its KV cache of
+        ``max_len + k`` tokens per slot and k pending drafts per slot (needs ``mtp_layers``).
     """
     if self.config.has_attention and max_len is None:
       raise ValueError("max_len=None but the model has attention layers; expected the KV cache "
@@ -455,13 +483,22 @@ class LM(nnx.Module):
         layers.append(m.init_cache(num_slots, cursor, state_dtype=state_dtype, ring_dtype=ring_dtype,
                                    read_copy_dtype=read_copy_dtype))
     positions = jnp.zeros((num_slots,), jnp.int32)
+    mtp = None
+    if not isinstance(mtp_drafts, int) or isinstance(mtp_drafts, bool) or mtp_drafts < 0:
+      raise ValueError(f"mtp_drafts={mtp_drafts!r}; expected an int >= 0")
+    if mtp_drafts:
+      if self.mtp is None:
+        raise ValueError(f"mtp_drafts={mtp_drafts} but the model has no MTP head "
+                         f"(LMConfig.mtp_layers=0)")
+      mtp = MTPCache(kv=self.mtp.block.mixer.init_cache(num_slots, max_len + mtp_drafts, dtype=kv_dtype),
+                     drafts=jnp.zeros((num_slots, mtp_drafts), jnp.int32))
     if not verify_stacks:
-      return LMCache(layers=tuple(layers), cursor=cursor, positions=positions)
+      return LMCache(layers=tuple(layers), cursor=cursor, positions=positions, mtp=mtp)
     stacks = tuple(None if isinstance(lc, AttentionLayerCache) else
                    jnp.zeros((num_slots, max_draft + 1) + lc.bufs.state.shape[1:], lc.bufs.state.dtype)
                    for lc in layers)
     return LMCache(layers=tuple(layers), cursor=cursor, positions=positions, stacks=stacks,
-                   read_index=jnp.zeros((num_slots,), jnp.int32))
+                   read_index=jnp.zeros((num_slots,), jnp.int32), mtp=mtp)
 
   def _check_tokens(self, name, tokens, ndim, what):
     _checks.expect_dtype(name, tokens, (jnp.int32,))
@@ -510,9 +547,14 @@ class LM(nnx.Module):
     return self.embed(tokens) * self.config.embedding_multiplier
 
   def _head(self, h):
-    return self.head(self.final_norm(h)).astype(f32) / self.config.logits_scaling
+    return self._logits(self.final_norm(h))
 
-  def prefill(self, tokens, cache: LMCache, slots, lengths, *, resume=False, logits_at=None):
+  def _logits(self, normed):
+    """The head over hidden states already normed (the final norm's, or the MTP head's)."""
+    return self.head(normed).astype(f32) / self.config.logits_scaling
+
+  def prefill(self, tokens, cache: LMCache, slots, lengths, *, resume=False, logits_at=None,
+              return_hidden=False):
     """Right-padded prompts; writes the slots' caches and empties their windows.
 
     Args:
@@ -527,9 +569,12 @@ class LM(nnx.Module):
         the head (a serving prefill needs the last prompt position alone; the head of every
         position is B·T·vocab float32 logits).
 
+      return_hidden: also return the final-normed hidden states [B, T, D] of every position
+        (what the MTP head drafts from, ``mtp_draft``).
+
     Returns:
       (logits [B, T, vocab] float32 — only positions < lengths[b] are meaningful — or
-      [B, vocab] at ``logits_at``; cache).
+      [B, vocab] at ``logits_at``; cache), and the hidden states with ``return_hidden``.
     """
     self._check_tokens("tokens", tokens, 2, "(int32[B, T])")
     self._check_cache(cache)
@@ -557,10 +602,14 @@ class LM(nnx.Module):
       out = out.replace(stacks=tuple(None if st is None else _stack_verify.put_state(st, slots, lc.bufs.state)
                                      for st, lc in zip(cache.stacks, layers)),
                         read_index=_slots.scatter_rows(cache.read_index, slots, jnp.zeros_like(slots)))
+    normed = self.final_norm(h)
+    at = normed
     if logits_at is not None:
       _checks.expect_shape("logits_at", logits_at, (tokens.shape[0],), "(int32[B])")
-      h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)[:, 0]
-    return self._head(h), out
+      at = jnp.take_along_axis(normed, logits_at[:, None, None], axis=1)[:, 0]
+    if return_hidden:
+      return self._logits(at), out, normed
+    return self._logits(at), out
 
   def _check_capacity(self, cache, num_tokens, resume):
     for lc in cache.layers:
@@ -629,7 +678,7 @@ class LM(nnx.Module):
     return batch < threshold
 
   def verify(self, tokens, cache: LMCache, slots, *, lengths=None, replay=True, implementation=None,
-             force_flush=None):
+             force_flush=None, return_hidden=False):
     """Speculative verify: T tokens per row through every layer in one step.
 
     Token 0 of a row is the token the model emitted last (not yet run), tokens 1..T-1 are
@@ -647,6 +696,7 @@ class LM(nnx.Module):
       implementation: forwarded to ``gdn.replay_verify`` / ``mamba2.replay_verify`` (or their
         ``verify_conventional``), the attention and MoE layers (``_layer_implementation``).
       force_flush: optional bool[B], as in ``decode`` (ReplaySSM only matters).
+      return_hidden: keep the final-normed hidden states in ``VerifyStep.hidden`` (``mtp_draft``).
 
     Returns:
       (logits [B, T, vocab] float32, VerifyStep).
@@ -685,7 +735,9 @@ class LM(nnx.Module):
 
     h, layers = self._run_blocks(self._embed(tokens), cache, mixer_fn, implementation)
     out = cache.replace(layers=layers) if replay else cache.replace(layers=layers, stacks=tuple(stacks_out))
-    return self._head(h), VerifyStep(cache=out, plan=plan, windows=tuple(windows), replay=replay)
+    normed = self.final_norm(h)
+    return self._logits(normed), VerifyStep(cache=out, plan=plan, windows=tuple(windows), replay=replay,
+                                            hidden=normed if return_hidden else None)
 
   def commit(self, step: VerifyStep, num_accepted) -> LMCache:
     """Keeps the first ``num_accepted[b]`` tokens of each row of a ``verify`` step (the rollback).
@@ -717,12 +769,69 @@ class LM(nnx.Module):
     _checks.expect_shape("num_accepted", num_accepted, (plan.batch_size,), "(int32[B], in [1, T])")
     return out.replace(read_index=_slots.scatter_rows(cache.read_index, plan.slots, num_accepted - 1))
 
+  def mtp_forward(self, hidden, next_tokens, cache: LMCache, slots, start, valid, *, fresh=False,
+                  implementation=None):
+    """The MTP head (``models.mtp``) at positions ``start[b] + t``: lane t reads the hidden state
+    of its position and the token after it, writes its KV entry and guesses the token after that.
+
+    Args:
+      hidden: [B, T, D] final-normed hidden states g_p (``prefill`` / ``verify`` with
+        ``return_hidden``) or the head's own outputs m (a chained draft).
+      next_tokens: int32[B, T] the token at position p + 1 of each lane.
+      cache: LMCache with ``mtp`` (``init_cache(mtp_drafts=)``).
+      slots, start, valid: int32[B], int32[B], bool[B, T] (a prefix of lanes per row), as in
+        ``Attention.step``; padding rows (slot < 0) write nothing.
+      fresh: the rows start new sequences at position 0 (their KV rows are zeroed first).
+      implementation: the head's attention and MoE implementation (``_layer_implementation``).
+
+    Returns:
+      (logits [B, T, vocab] float32, m [B, T, D], cache).
+    """
+    if cache.mtp is None:
+      raise ValueError("cache has no MTP head cache; expected one from init_cache(mtp_drafts=k)")
+    self._check_tokens("next_tokens", next_tokens, 2, "(int32[B, T])")
+    m, kv = self.mtp(self._embed(next_tokens), hidden, cache.mtp.kv, slots, start, valid, fresh=fresh,
+                     implementation=_layer_implementation(implementation))
+    return self._logits(m), m, cache.replace(mtp=cache.mtp.replace(kv=kv))
+
+  def mtp_draft(self, cache: LMCache, hidden, next_tokens, slots, start, count, *, fresh=False,
+                implementation=None) -> LMCache:
+    """The MTP head's k drafts after a step (k = ``cache.mtp.num_drafts``), greedy.
+
+    The step covered positions ``start[b] .. start[b] + count[b] - 1`` of each row (a prefill, or
+    a verify step's accepted tokens) with final-normed ``hidden`` [B, T, D], and ``next_tokens``
+    int32[B, T] are the tokens after them (lane t: the token at ``start[b] + t + 1``: the prompt
+    shifted by one and the sampled token; a verify step's emitted run). The head writes its KV
+    entries for those positions, guesses d_1 at the last one, and chains k - 1 more positions on
+    its own outputs (module docstring of ``models.mtp``). Drafts are argmax picks (a point-mass
+    drafter keeps ``sampling.speculative_sample``'s rejection sampling exact).
+
+    Returns:
+      cache with ``mtp.drafts[slots[b]]`` set on live rows (count[b] >= 1).
+    """
+    t = hidden.shape[1]
+    live = slots >= 0
+    valid = (jnp.arange(t, dtype=jnp.int32)[None, :] < count[:, None]) & live[:, None]
+    logits, m, cache = self.mtp_forward(hidden, next_tokens, cache, slots, start, valid, fresh=fresh,
+                                        implementation=implementation)
+    last = jnp.maximum(count - 1, 0)[:, None]
+    pick = lambda a: jnp.take_along_axis(a, last[..., None], axis=1)            # [B, 1, ...]
+    m, draft = pick(m), jnp.argmax(pick(logits), axis=-1).astype(jnp.int32)     # [B, 1, D], [B, 1]
+    drafts = [draft]
+    for j in range(1, cache.mtp.num_drafts):
+      logits, m, cache = self.mtp_forward(m, draft, cache, slots, start + count + j - 1, live[:, None],
+                                          implementation=implementation)
+      draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      drafts.append(draft)
+    stored = _slots.scatter_rows(cache.mtp.drafts, slots, jnp.concatenate(drafts, axis=1))
+    return cache.replace(mtp=cache.mtp.replace(drafts=stored))
+
   def copy_slots(self, cache: LMCache, src, dst) -> LMCache:
     """Every layer's cache and the slot state of ``src[i]`` → ``dst[i]`` (prefix snapshots).
 
     Recurrent layers copy checkpoint, ring, window (``copy_slots`` of their family), conv state
     and (conventional verify caches) their state stack row and read index; attention layers copy
-    the slot's KV row; the position is copied too.
+    the slot's KV row; the position is copied too, and the MTP head's KV row and drafts.
 
     Args:
       cache: LMCache.
@@ -743,6 +852,9 @@ class LM(nnx.Module):
       bufs, cursor = ops[type(lc)].copy_slots(lc.bufs, cache.cursor, src, dst)
       layers.append(lc.replace(bufs=bufs, conv_state=copy_rows(lc.conv_state)))
     out = cache.replace(layers=tuple(layers), cursor=cursor, positions=copy_rows(cache.positions))
+    if cache.mtp is not None:
+      kv = AttentionLayerCache(k=copy_rows(cache.mtp.kv.k), v=copy_rows(cache.mtp.kv.v))
+      out = out.replace(mtp=MTPCache(kv=kv, drafts=copy_rows(cache.mtp.drafts)))
     if cache.stacks is None:
       return out
     return out.replace(stacks=tuple(None if st is None else copy_rows(st) for st in cache.stacks),

@@ -23,6 +23,21 @@ and two files of references computed by transformers from that directory, loaded
   Nemotron-H also has every array but ``prompt_p`` again with the suffix ``_unpatched`` (see below).
 ``reference.json``: the seed, layer kinds and sizes, the checks below and their outcomes.
 
+Multi-token prediction (fixture ``qwen3_5_mtp``). transformers does not build Qwen3.5's MTP head and
+``save_pretrained`` writes no ``mtp.*`` tensor, so the head is composed from transformers' own
+modules as vLLM runs it (``replayssm_jax.models.mtp``): ``nn.Linear(2D, D)`` over
+[``Qwen3_5RMSNorm``(embedding of x_{p+1}) ; ``Qwen3_5RMSNorm``(g_p)], one ``Qwen3_5DecoderLayer`` of
+a full-attention layer index under a causal mask with the model's rotary embedding at position p,
+a final ``Qwen3_5RMSNorm``, then the model's ``lm_head``; g_p is the model's ``last_hidden_state``
+(after its final norm). Its tensors, drawn like the model's, go to ``mtp.safetensors`` under the
+names released checkpoints use (``mtp.fc.weight``, ``mtp.layers.0.*``, ...), and
+``reference.npz`` also holds, for each prompt (L = T_p + 32, the prompt and ``greedy_p``):
+  ``mtp_hidden_p``      float32 [L-1, D]    g_p, one no-cache forward over the first L-1 tokens
+  ``mtp_logits_p``      float32 [L-1, V]    the head at every position p, next token x_{p+1}
+  ``mtp_chain_p``       int32 [3]           the head's three chained greedy drafts after the prompt
+                                            (position T_p - 1 with greedy_p[0], then on its own
+                                            outputs), each from a no-cache forward of the head
+
 transformers runs in float32 on one CPU thread with deterministic algorithms and its plain torch
 code paths (eager attention, eager experts; the script refuses to run where mamba_ssm,
 causal_conv1d, flash-linear-attention or kernels are importable). Running it twice writes
@@ -67,6 +82,7 @@ import zlib
 
 import numpy as np
 import safetensors
+import safetensors.torch
 import torch
 import transformers
 from torch import nn
@@ -77,6 +93,7 @@ from transformers import (BambaConfig, BambaForCausalLM, FalconH1Config, FalconH
                           Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
                           Qwen3NextConfig, Qwen3NextForCausalLM)
 from transformers.models.nemotron_h import modeling_nemotron_h as nemotron_h_modeling
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling
 
 OUT = pathlib.Path(__file__).resolve().parent / "hf"
 PROMPT_LENGTHS = (11, 6)
@@ -109,6 +126,13 @@ MAMBA = dict(ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, use_con
 
 def qwen3_5():
   config = Qwen3_5TextConfig(**QWEN_TEXT, num_hidden_layers=8, rope_parameters=dict(QWEN35_ROPE))
+  return Qwen3_5ForCausalLM, config
+
+
+def qwen3_5_mtp():
+  """qwen3_5's shape at 4 layers, with a multi-token-prediction head (``mtp_num_hidden_layers`` 1)."""
+  config = Qwen3_5TextConfig(**QWEN_TEXT, num_hidden_layers=4, rope_parameters=dict(QWEN35_ROPE),
+                             mtp_num_hidden_layers=1)
   return Qwen3_5ForCausalLM, config
 
 
@@ -220,7 +244,8 @@ def falcon_h1_rms_norm():
 FIXTURES = dict(qwen3_5=qwen3_5, qwen3_5_vl=qwen3_5_vl, qwen3_next=qwen3_next, qwen3_5_moe=qwen3_5_moe,
                 nemotron_h=nemotron_h, mamba2=mamba2, granitemoehybrid=granitemoehybrid,
                 granitemoehybrid_dense_rope=granitemoehybrid_dense_rope, bamba=bamba, falcon_h1=falcon_h1,
-                falcon_h1_rms_norm=falcon_h1_rms_norm)
+                falcon_h1_rms_norm=falcon_h1_rms_norm, qwen3_5_mtp=qwen3_5_mtp)
+MTP_DRAFTS = 3
 SHARED_SEED = dict(qwen3_5_vl="qwen3_5")  # same seed: equal tensor names get equal values
 
 
@@ -299,6 +324,71 @@ def _mamba_dt_bias(shape, gen):
   fall below 1e-3; ``dt_below_min_p`` records the measured fraction."""
   low = torch.arange(shape[0]) % 3 == 0
   return torch.where(low, -9.0 + 0.3 * torch.randn(shape, generator=gen), -4.5 + 3.5 * torch.rand(shape, generator=gen))
+
+
+# ---- the MTP head (transformers' modules, composed) -----------------------------------------
+
+class _MTPHead(nn.Module):
+  """Qwen3.5's multi-token-prediction head from transformers' own layers (module docstring)."""
+
+  def __init__(self, config):
+    super().__init__()
+    d, eps = config.hidden_size, config.rms_norm_eps
+    self.fc = nn.Linear(2 * d, d, bias=False)
+    self.pre_fc_norm_embedding = qwen3_5_modeling.Qwen3_5RMSNorm(d, eps=eps)
+    self.pre_fc_norm_hidden = qwen3_5_modeling.Qwen3_5RMSNorm(d, eps=eps)
+    self.layers = nn.ModuleList([qwen3_5_modeling.Qwen3_5DecoderLayer(
+        config, config.layer_types.index("full_attention"))])
+    self.norm = qwen3_5_modeling.Qwen3_5RMSNorm(d, eps=eps)
+
+  def forward(self, model, hidden, next_ids):
+    """hidden [1, T, D] at positions 0..T-1, next_ids [1, T] → (logits [1, T, V], m [1, T, D])."""
+    e = model.model.embed_tokens(next_ids)
+    u = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)], dim=-1))
+    t = u.shape[1]
+    positions = torch.arange(t)[None]
+    rope = model.model.rotary_emb(u, positions[None].expand(3, 1, t))
+    causal = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]
+    u = self.layers[0](u, position_embeddings=rope, attention_mask=causal, position_ids=positions)
+    m = self.norm(u)
+    return model.lm_head(m), m
+
+
+class _MTPHolder(nn.Module):
+  """Names the head's tensors ``mtp.*``, as released checkpoints do."""
+
+  def __init__(self, config):
+    super().__init__()
+    self.mtp = _MTPHead(config)
+
+
+@torch.no_grad()
+def _mtp_references(model, path, draw_seed, prompt_list, arrays):
+  """Draws and saves the head (``mtp.safetensors``); its teacher-forced logits and chained drafts."""
+  holder = _MTPHolder(model.config)
+  _draw(holder, draw_seed)
+  safetensors.torch.save_file({k: v.contiguous() for k, v in holder.state_dict().items()},
+                              str(path / "mtp.safetensors"))
+  out, gaps = {}, []
+  for p, prompt in enumerate(prompt_list):
+    seq = torch.as_tensor(np.concatenate([prompt, arrays[f"greedy_{p}"]]), dtype=torch.long)
+    hidden = model.model(input_ids=seq[None, :-1], use_cache=False).last_hidden_state
+    logits, m = holder.mtp(model, hidden, seq[None, 1:])
+    n = len(prompt)
+    ids, states = seq[None, 1:n + 1], hidden[:, :n]
+    chain = []
+    for _ in range(MTP_DRAFTS):
+      lg, mm = holder.mtp(model, states, ids)
+      gaps.append(_logit_gap(lg[0, -1].numpy()))
+      chain.append(int(lg[0, -1].argmax()))
+      ids = torch.cat([ids, torch.tensor([[chain[-1]]])], dim=1)
+      states = torch.cat([states, mm[:, -1:]], dim=1)
+    out[f"mtp_hidden_{p}"] = hidden[0].numpy()
+    out[f"mtp_logits_{p}"] = logits[0].numpy()
+    out[f"mtp_chain_{p}"] = np.asarray(chain, np.int32)
+  if min(gaps) < MIN_LOGIT_GAP:
+    raise RuntimeError(f"MTP chain near-tie (gap {min(gaps)}); change the fixture seed")
+  return out, dict(min_chain_logit_gap=min(gaps), drafts=MTP_DRAFTS)
 
 
 # ---- running transformers ------------------------------------------------------------------
@@ -488,7 +578,7 @@ def build(name, prompt_list):
     raise RuntimeError(f"{name}: none of the seeds {seeds} met the margins")
   record = dict(architecture=type(model).__name__, model_type=config.model_type, draw_seed=draw_seed,
                 config=_summary(config), checks=checks, prompts=[p.tolist() for p in prompt_list],
-                attn_implementation="eager", experts_implementation="eager")
+                attn_implementation="eager", experts_implementation="eager", made_with=_versions())
   if unpatched is not None:
     arrays |= unpatched[0]
     record["dt_limit"] = dict(
@@ -503,6 +593,9 @@ def build(name, prompt_list):
     limits = {tuple(m.time_step_limit) for m in model.modules()
               if type(m).__name__ in ("Mamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer")}
     record["dt_limit"] = dict(mixer_time_step_limit=[[str(x) for x in l] for l in limits])
+  if name in ("qwen3_5_mtp",):
+    mtp_arrays, record["mtp"] = _mtp_references(model, path, draw_seed, prompt_list, arrays)
+    arrays |= mtp_arrays
   for p, prompt in enumerate(prompt_list):
     arrays[f"prompt_{p}"] = prompt
   np.savez(path / "reference.npz", **dict(sorted(arrays.items())))
@@ -539,10 +632,14 @@ def main():
   for name in args.names or FIXTURES:
     record = build(name, prompt_list)
     print(f"{name}: seed {record['draw_seed']}, checks {json.dumps(record['checks'])}", flush=True)
-  versions = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-                  numpy=np.__version__, safetensors=safetensors.__version__, date=datetime.date.today().isoformat(),
-                  command=" ".join(["python tests/data/make_hf_fixtures.py", *sys.argv[1:]]))
-  (OUT / "VERSIONS.json").write_text(json.dumps(versions, indent=2) + "\n")
+  (OUT / "VERSIONS.json").write_text(json.dumps(_versions(), indent=2) + "\n")
+
+
+def _versions():
+  """What wrote the files (VERSIONS.json: the last run; each reference.json: its own)."""
+  return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+              numpy=np.__version__, safetensors=safetensors.__version__, date=datetime.date.today().isoformat(),
+              command=" ".join(["python tests/data/make_hf_fixtures.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":
