@@ -14,7 +14,10 @@ and, named in ``--arms`` only, ``decode-replay-overlap`` / ``decode-conv-overlap
 ``spec-replay-overlap`` / ``spec-conv-overlap`` (those arms with ``EngineConfig.overlap``: each
 step dispatched before the host reads the previous one's tokens; drafts made on the device), and
 ``decode-replay-overlap-copy`` / ``spec-replay-copy`` / ``spec-replay-overlap-copy`` (ReplaySSM
-arms over a bf16 read copy of the float32 checkpoint, ``EngineConfig.read_copy_dtype``).
+arms over a bf16 read copy of the float32 checkpoint, ``EngineConfig.read_copy_dtype``), and
+``spec-mtp-overlap`` / ``spec-mtp-conv-overlap`` (overlapped drafting by the model's
+multi-token-prediction head, ``EngineConfig(drafter="mtp")``; ReplaySSM and conventional verify;
+the preset or smoke model needs an MTP head).
 
 Timed: the decode phase, from the first step after the last request was admitted to the last
 step, on the host clock (every step ends in a host read of its tokens, so the clock sees the
@@ -43,7 +46,7 @@ so a near-tie can flip an argmax; the smoke run, float32 throughout on CPU, must
     python -m bench.engine_spec --preset qwen3.5-4b --batches 32,256 --drafts 3 --new-tokens 128
     python -m bench.engine_spec --preset qwen3.5-4b --model looping --batches 256
     python -m bench.engine_spec --prompts shared --prefix-block 64 --arms decode-replay,decode-replay-overlap
-    python -m bench.engine_spec --smoke        # CPU: the tiny Qwen3.5 checkpoint's shape, B = 2
+    python -m bench.engine_spec --smoke        # CPU: the tiny Qwen3.5 (MTP) checkpoint's shape, B = 2
 """
 import argparse
 import dataclasses
@@ -68,7 +71,10 @@ ARMS = {"decode-replay": (False, True, False, False), "decode-conv": (False, Fal
         "spec-conv-overlap": (True, False, True, False),
         "decode-replay-overlap-copy": (False, True, True, True),
         "spec-replay-copy": (True, True, False, True),
-        "spec-replay-overlap-copy": (True, True, True, True)}   # name: (drafting, replay, overlap, read copy)
+        "spec-replay-overlap-copy": (True, True, True, True),
+        "spec-mtp-overlap": (True, True, True, False, "mtp"),
+        "spec-mtp-conv-overlap": (True, False, True, False, "mtp")}
+# name: (drafting, replay, overlap, read copy[, drafter]); the drafter is "ngram" unless named
 DEFAULT_ARMS = ("decode-replay", "decode-conv", "spec-replay", "spec-conv")
 
 
@@ -77,7 +83,9 @@ def looping_model(model, *, strength=20.0, mixer_scale=0.2, period=4):
   block of ``period`` ids — and scales the embedding by 1 / ``mixer_scale``, which (every block
   and the head read the residual stream through an RMSNorm) weighs the mixer / MLP outputs by
   ``mixer_scale`` against it: greedy streams fall into short cycles (the n-gram drafter hits) but
-  still depend on every layer's state. Modifies and returns ``model``."""
+  still depend on every layer's state. A multi-token-prediction head (``model.mtp``) is made to
+  guess the same map one token further: ``fc`` passes the next token's normed embedding through
+  and its attention and MLP outputs are scaled by ``mixer_scale``. Modifies and returns ``model``."""
   emb = np.asarray(model.embed.embedding[...], np.float32)
   vocab = emb.shape[0]
   succ = (np.arange(vocab) // period) * period + (np.arange(vocab) + 1) % period
@@ -88,6 +96,14 @@ def looping_model(model, *, strength=20.0, mixer_scale=0.2, period=4):
   head[...] = (head[...].astype(jnp.float32) + strength * jnp.asarray(unit[pred].T)).astype(head.dtype)
   embedding = model.embed.embedding
   embedding[...] = (embedding[...].astype(jnp.float32) / mixer_scale).astype(embedding.dtype)
+  if model.mtp is not None:
+    d = emb.shape[1]
+    fc = model.mtp.fc.kernel
+    fc[...] = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))]).astype(fc.dtype)   # [embedding | hidden] → D
+    block = model.mtp.block
+    for out in (block.mixer.o_proj.kernel, block.mlp.down.kernel if block.mlp_type == "dense" else None):
+      if out is not None:
+        out[...] = (out[...].astype(jnp.float32) * mixer_scale).astype(out.dtype)
   return model
 
 
@@ -159,18 +175,18 @@ def _serve(model, config, prompts, new_tokens):
 
 def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps,
             prefill_tokens, prefix_block=0, prefix_slots=0):
-  drafting, replay, overlap, copy = ARMS[arm]
+  drafting, replay, overlap, copy, drafter = ARMS[arm] + ("ngram",) * (len(ARMS[arm]) == 4)
   k = drafts if drafting else 0
   config = EngineConfig(max_running=batch, batch_buckets=(batch,), replay=replay, num_drafts=k,
                         overlap=overlap, prefix_block=prefix_block, prefix_slots=prefix_slots,
                         prefill_tokens=prefill_tokens,
                         buffer_len=buffer_len, max_prompt_len=len(prompts[0]),
                         max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype,
-                        read_copy_dtype="bfloat16" if copy else None)
+                        read_copy_dtype="bfloat16" if copy else None, drafter=drafter)
   _serve(model, config, prompts, new_tokens)       # compiles prefill, decode and verify
   runs = sorted((_serve(model, config, prompts, new_tokens) for _ in range(reps)), key=lambda r: r[1])
   tokens, seconds, steps, generated, drafted, accepted, split, hits = runs[len(runs) // 2]
-  return {"arm": arm, "replay": replay, "num_drafts": k, "buffer_len": config.buffer_len,
+  return {"arm": arm, "replay": replay, "num_drafts": k, "drafter": drafter, "buffer_len": config.buffer_len,
           "read_copy_dtype": config.read_copy_dtype,
           "overlapped": config.overlapped, "prefix_block": prefix_block, "prefix_hit_tokens": hits,
           "seconds": seconds, "all_seconds": [r[1] for r in runs], "steps": steps,
@@ -257,7 +273,7 @@ def plot(result, path):
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(prog="python -m bench.engine_spec", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--smoke", action="store_true", help="CPU: the tiny Qwen3.5 checkpoint's shape, B = 2")
+  p.add_argument("--smoke", action="store_true", help="CPU: the tiny Qwen3.5 checkpoint's shape with its MTP head, B = 2")
   p.add_argument("--preset", default="qwen3.5-4b")
   p.add_argument("--model", choices=("random", "looping"), default="random")
   p.add_argument("--looping-scale", type=float, default=0.1,
@@ -283,7 +299,7 @@ def main(argv=None) -> dict:
   p.add_argument("--plot", default=None, help="write the tokens/s plot (PNG) here")
   args = p.parse_args(argv)
   if args.smoke:
-    args.preset, args.batches, args.new_tokens, args.prompt_len, args.reps = "tiny-qwen3_5", "2", 16, 12, 1
+    args.preset, args.batches, args.new_tokens, args.prompt_len, args.reps = "tiny-qwen3_5_mtp", "2", 16, 12, 1
     args.ring_dtype = "none"
   if args.drafts < 1:
     p.error(f"--drafts={args.drafts}; expected >= 1")

@@ -88,3 +88,14 @@ def test_engine_spec_prefix_caching_smoke():
     engine_spec.main(["--smoke", "--prompts", "shared", "--shared-len", "13"])
   with pytest.raises(ValueError, match="--shared-len 13; expected 0 to --prompt-len = 12"):
     engine_spec.prompt_sets(["shared"], batch=2, length=12, phrase=4, vocab=64, shared_len=13)
+
+
+def test_engine_spec_smoke_mtp_arms():
+  # Given the looping model, whose MTP head guesses the successor map one token further,
+  out = engine_spec.main(["--smoke", "--model", "looping", "--prompts", "random",
+                          "--arms", "decode-replay-overlap,spec-mtp-overlap,spec-mtp-conv-overlap"])
+  rows = {r["arm"]: r for r in out["result"]["rows"]}
+  # the MTP arms emit the plain greedy tokens, with most of the head's drafts accepted.
+  assert all(r["identical_to_baseline"] == 1.0 for r in rows.values())
+  for arm in ("spec-mtp-overlap", "spec-mtp-conv-overlap"):
+    assert rows[arm]["drafter"] == "mtp" and rows[arm]["acceptance"] > 0.5, rows[arm]

@@ -9,7 +9,8 @@ start) for models that do not fit one device.
 ==========================  =====================================================================
 name                        layers (GDN / Mamba2 / attention / MLP / MoE)
 ==========================  =====================================================================
-``qwen3.5-4b``              32: GatedDeltaNet ×3 then attention, 8 times; SwiGLU MLP 9216 in every block
+``qwen3.5-4b``              32: GatedDeltaNet ×3 then attention, 8 times; SwiGLU MLP 9216 in every block;
+                            an MTP head (one attention block, ``models.mtp``)
 ``qwen3-next-80b-a3b``      48: GatedDeltaNet ×3 then attention, 12 times; MoE (512 experts, top-10,
                             shared expert) in every block
 ``nemotron-h-8b``           52: ``M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-``
@@ -30,8 +31,9 @@ CONFIGS = {
         num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
         rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
-                             mrope_section=[11, 11, 10]), **_GDN),
-    # Qwen/Qwen3-Next-80B-A3B-Instruct.
+                             mrope_section=[11, 11, 10]), mtp_num_hidden_layers=1, **_GDN),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct (without its MTP head: a 512-expert MoE block that the
+    # benchmarks' depth cuts would carry whole).
     "qwen3-next-80b-a3b": dict(
         model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
         num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,

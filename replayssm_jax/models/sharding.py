@@ -93,13 +93,16 @@ class ShardedLM:
         raise ValueError(f"{name}={value} is not a multiple of the mesh axis {axis!r} size {tp}; "
                          f"heads (and Mamba2 groups, expert widths) must split evenly over the devices")
     self.model, self.mesh, self.axis, self.tp = model, mesh, axis, tp
-    self.local_config = dataclasses.replace(c, **local)
+    # The MTP head drafts for generate / serving.Engine, which take an unsharded LM: not sharded.
+    self.local_config = dataclasses.replace(c, **local, mtp_layers=0)
     local_model = nnx.eval_shape(lambda: LM(self.local_config, rngs=nnx.Rngs(0)))
     local_model.tp_axis = axis
     self._graphdef, local_state = nnx.split(local_model)
     _, full_state = nnx.split(model)
     leaves, specs = [], []
     for path, x in jax.tree_util.tree_leaves_with_path(full_state):
+      if getattr(path[0], "key", None) == "mtp":
+        continue
       value, spec = self._param(path, x)
       leaves.append(jax.device_put(value, NamedSharding(mesh, spec)))
       specs.append(spec)

@@ -89,6 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from replayssm_jax import _slots
 from replayssm_jax import config as config_lib
 from replayssm_jax.models import sampling
 from replayssm_jax.models.generate import MAX_DRAFTS, ngram_drafts
@@ -97,6 +98,7 @@ from replayssm_jax.serving.drafter import NgramDrafter
 
 logger = logging.getLogger(__name__)
 PAD_TOKEN = 0
+DRAFTERS = ("ngram", "mtp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,7 +118,12 @@ class EngineConfig:
       0 <= k <= 7 (0: off). A request may ask for fewer (``submit(num_drafts=)``). With
       ``replay=False`` the verify is conventional: every recurrent layer keeps k + 1 states per
       slot (``LM.init_cache(verify_stacks=True)``), the baseline to time ReplaySSM verify against.
-    ngram: n-gram length the drafter matches.
+    drafter: "ngram" (each request's own n-gram drafter) or "mtp": the model's multi-token-
+      prediction head (``models.mtp``; a Qwen3.5 / Qwen3-Next checkpoint's ``mtp.*``), which
+      drafts on the device after every prefill and verify step from the model's hidden states
+      (greedy drafts, kept per slot in ``LMCache.mtp``). "mtp" needs ``num_drafts >= 1`` and a
+      model with ``mtp_layers``; with prefix caching it raises NotImplementedError.
+    ngram: n-gram length the n-gram drafter matches.
     prefill_tokens: token budget of one prefill (without prefix caching): the requests a step
       admits go through the prefill in groups of R = max(1, min(max_running, prefill_tokens //
       max_prompt_len)) rows (prompts padded to max_prompt_len), one compiled width R (a lone
@@ -147,6 +154,7 @@ class EngineConfig:
   buffer_len: int | None = None
   replay: bool = True
   num_drafts: int = 0
+  drafter: str = "ngram"
   ngram: int = 2
   prefill_tokens: int = 8192
   prefix_block: int = 0
@@ -193,6 +201,15 @@ class EngineConfig:
     if self.read_copy_dtype is not None and not self.replay:
       raise ValueError(f"read_copy_dtype={self.read_copy_dtype!r} with replay=False: only ReplaySSM "
                        f"steps keep the copy in step (conventional steps would leave it stale)")
+    if self.drafter not in DRAFTERS:
+      raise ValueError(f"drafter={self.drafter!r}; expected one of {DRAFTERS}")
+    if self.drafter == "mtp" and not self.num_drafts:
+      raise ValueError("drafter='mtp' with num_drafts=0; expected num_drafts >= 1 (the drafts the "
+                       "head makes per step)")
+    if self.drafter == "mtp" and self.prefix_block:
+      raise NotImplementedError(
+          f"drafter='mtp' with prefix_block={self.prefix_block}: a prefix snapshot would need the "
+          f"head's entry at the block's last position, which waits for the next block's first token")
     if self.overlap is not None and not isinstance(self.overlap, bool):
       raise ValueError(f"overlap={self.overlap!r}; expected None or a bool")
     if self.overlap and self.prefix_block and self.num_drafts:
@@ -280,11 +297,24 @@ def _merge(graphdef, treedef, leaves) -> LM:
   return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
-def _prefill_impl(graphdef, treedef, leaves, cache, tokens, slots, lengths, temps, seeds, *, resume):
+def _prefill_impl(graphdef, treedef, leaves, cache, tokens, slots, lengths, temps, seeds, *, resume,
+                  mtp=False):
+  """First tokens of right-padded prompts; with ``mtp`` the head's drafts after them too
+  (positions 0 .. lengths - 1, each with the token after it: the prompt's next, then the first
+  token)."""
   model = _merge(graphdef, treedef, leaves)
-  last, cache = model.prefill(tokens, cache, slots, lengths, resume=resume,
-                              logits_at=jnp.maximum(lengths - 1, 0))
-  return sampling.sample(last, temps, sampling.seed_keys(seeds), jnp.zeros_like(seeds)), cache
+  last_at = jnp.maximum(lengths - 1, 0)
+  if not mtp:
+    last, cache = model.prefill(tokens, cache, slots, lengths, resume=resume, logits_at=last_at)
+    return sampling.sample(last, temps, sampling.seed_keys(seeds), jnp.zeros_like(seeds)), cache
+  last, cache, hidden = model.prefill(tokens, cache, slots, lengths, resume=resume, logits_at=last_at,
+                                      return_hidden=True)
+  first = sampling.sample(last, temps, sampling.seed_keys(seeds), jnp.zeros_like(seeds))
+  following = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], PAD_TOKEN)], axis=1)
+  following = following.at[jnp.arange(tokens.shape[0]), last_at].set(first)
+  cache = model.mtp_draft(cache, hidden, following, slots, jnp.zeros_like(lengths), lengths,
+                          fresh=not resume)
+  return first, cache
 
 
 def _decode_impl(graphdef, treedef, leaves, cache, tokens, slots, force, temps, seeds, positions, *,
@@ -296,23 +326,34 @@ def _decode_impl(graphdef, treedef, leaves, cache, tokens, slots, force, temps, 
 
 
 def _verify_impl(graphdef, treedef, leaves, cache, tokens, lengths, slots, force, temps, seeds,
-                 positions, *, replay, implementation):
+                 positions, *, replay, implementation, mtp=False):
   """tokens int32[B, T] (last emitted token, drafts, padding), lengths int32[B] →
   (run int32[B, T], num_emitted int32[B], cache): row b emits ``run[b, :num_emitted[b]]`` and
-  commits as many inputs."""
+  commits as many inputs. With ``mtp`` the drafts are the MTP head's, read from the cache (the
+  tokens' lanes 1.. are ignored), and the head drafts again after the commit."""
   model = _merge(graphdef, treedef, leaves)
+  if mtp:
+    t = tokens.shape[1]
+    pending = _slots.gather(cache.mtp.drafts, slots)[:, :t - 1]
+    tokens = jnp.concatenate([tokens[:, :1], pending], axis=1)
+    start = model._start(cache, slots)
   logits, step = model.verify(tokens, cache, slots, lengths=lengths, replay=replay,
-                              implementation=implementation, force_flush=force)
+                              implementation=implementation, force_flush=force, return_hidden=mtp)
   run, emitted = sampling.speculative_sample(logits, tokens[:, 1:], lengths - 1, temps,
                                              sampling.seed_keys(seeds), positions)
-  return run, emitted, model.commit(step, emitted)
+  cache = model.commit(step, emitted)
+  if mtp:
+    cache = model.mtp_draft(cache, step.hidden, run, slots, start, emitted,
+                            implementation=implementation)
+  return run, emitted, cache
 
 
 def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated, done, slots,
                     budget, drafts_per_row, temps, seeds, *, num_tokens, ngram, replay,
-                    implementation):
+                    implementation, mtp=False):
   """A speculative step drafted on the device (overlapped steps): the synchronous path's verify
-  step, with ``models.generate.ngram_drafts`` (what the host drafter proposes) as the drafter.
+  step, with ``models.generate.ngram_drafts`` (what the host drafter proposes) as the drafter, or
+  with ``mtp`` the MTP head's drafts in the cache.
 
   Carried per row: history int32[B, S] (prompt and generated tokens at positions < length[b]),
   length, generated (tokens generated so far) int32[B], done bool[B] (budget reached on the
@@ -327,14 +368,17 @@ def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated
   drafted = jnp.where(live, jnp.clip(jnp.minimum(drafts_per_row, budget - generated - 1), 0,
                                      num_tokens - 1), 0)
   tokens = jnp.take_along_axis(history, (length - 1)[:, None], axis=1)
-  if num_tokens > 1:
+  if num_tokens > 1 and mtp:   # lanes 1.. are read from the cache by _verify_impl
+    tokens = jnp.concatenate([tokens, jnp.full((bsz, num_tokens - 1), PAD_TOKEN, jnp.int32)], axis=1)
+  elif num_tokens > 1:
     tokens = jnp.concatenate(
         [tokens, ngram_drafts(history, length, num_drafts=num_tokens - 1, ngram=ngram)], axis=1)
   lane = jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
   tokens = jnp.where(lane <= drafted[:, None], tokens, PAD_TOKEN)
   run, emitted, cache = _verify_impl(
       graphdef, treedef, leaves, cache, tokens, 1 + drafted, jnp.where(live, slots, -1),
-      jnp.zeros((bsz,), bool), temps, seeds, generated, replay=replay, implementation=implementation)
+      jnp.zeros((bsz,), bool), temps, seeds, generated, replay=replay, implementation=implementation,
+      mtp=mtp)
   emitted_live = jnp.where(live, emitted, 0)
   kept = lane < emitted_live[:, None]
   where = jnp.where(kept, length[:, None] + lane, capacity)          # capacity: dropped
@@ -369,11 +413,12 @@ def _programs(graphdef, treedef) -> _Programs:
   bind = lambda impl: functools.partial(impl, graphdef, treedef)
   kernel_options = ("replay", "implementation")
   return _Programs(
-      prefill=jax.jit(bind(_prefill_impl), donate_argnames=("cache",), static_argnames=("resume",)),
+      prefill=jax.jit(bind(_prefill_impl), donate_argnames=("cache",), static_argnames=("resume", "mtp")),
       decode=jax.jit(bind(_decode_impl), donate_argnames=("cache",), static_argnames=kernel_options),
-      verify=jax.jit(bind(_verify_impl), donate_argnames=("cache",), static_argnames=kernel_options),
+      verify=jax.jit(bind(_verify_impl), donate_argnames=("cache",),
+                     static_argnames=kernel_options + ("mtp",)),
       speculate=jax.jit(bind(_speculate_impl), donate_argnames=("cache", "history"),
-                        static_argnames=kernel_options + ("num_tokens", "ngram")),
+                        static_argnames=kernel_options + ("num_tokens", "ngram", "mtp")),
       copy=jax.jit(bind(_copy_impl), donate_argnames=("cache",)))
 
 
@@ -394,7 +439,11 @@ class Engine:
     config = EngineConfig() if config is None else config
     if not isinstance(config, EngineConfig):
       raise ValueError(f"config must be an EngineConfig; got {type(config).__name__}")
+    if config.drafter == "mtp" and model.mtp is None:
+      raise ValueError("EngineConfig(drafter='mtp') but the model has no multi-token-prediction "
+                       "head (LMConfig.mtp_layers=0; load a checkpoint with mtp.* tensors)")
     self.model, self.config = model, config
+    self._mtp = config.drafter == "mtp"
     self.max_prompt_len = config.max_prompt_len or model.config.max_prompt_len
     self.prefill_rows = max(1, min(config.max_running, config.prefill_tokens // self.max_prompt_len))
     if config.prefix_block and config.prefix_block > self.max_prompt_len:
@@ -577,7 +626,7 @@ class Engine:
     tok, self._cache = self._programs.prefill(
         self._leaves, self._cache, tokens, rows([r.slot for r in reqs], -1, np.int32),
         rows([len(r.prompt) for r in reqs], 0, np.int32), rows([r.temperature for r in reqs], 0.0, np.float32),
-        rows([r.seed for r in reqs], 0, np.int32), resume=False)
+        rows([r.seed for r in reqs], 0, np.int32), resume=False, mtp=self._mtp)
     return np.asarray(tok)[:len(reqs)].tolist()
 
   def _prefill(self, r: _Request) -> int:
@@ -671,6 +720,8 @@ class Engine:
     k = self._draft_count(r, n) if self.config.num_drafts else 0
     if not k:
       return []
+    if self._mtp:   # placeholders: the verify step reads the head's drafts from the cache
+      return [PAD_TOKEN] * k
     if r.rid not in self._drafters:
       self._drafters[r.rid] = NgramDrafter(r.prompt + r.generated, ngram=self.config.ngram)
     return self._drafters[r.rid].drafts(k)
@@ -683,7 +734,9 @@ class Engine:
     # A row whose last token reaches a block boundary flushes, so a snapshot's window is empty.
     force = [self._at_boundary(n) for n in lens]
     drafts = [self._drafts(r, n) for r, n in zip(reqs, lens)]
-    if any(drafts) or self._cache.stacks is not None:
+    # With the MTP head every step of a drafting request verifies: the head drafts after it.
+    if (any(drafts) or self._cache.stacks is not None
+        or (self._mtp and any(r.num_drafts for r in reqs))):
       rows = lambda values, fill, dtype: self._rows(values, width, fill, dtype)
       per_row = (rows([r.slot for r in reqs], -1, np.int32), rows(force, False, bool),
                  rows([r.temperature for r in reqs], 0.0, np.float32),
@@ -697,7 +750,7 @@ class Engine:
       run, emitted, self._cache = self._programs.verify(
           self._leaves, self._cache, tokens,
           rows([1 + len(d) for d in drafts], 1, np.int32), *per_row,
-          replay=cfg.replay, implementation=cfg.implementation)
+          replay=cfg.replay, implementation=cfg.implementation, mtp=self._mtp)
       run, emitted = np.asarray(run), np.asarray(emitted)
       runs = [run[i, :emitted[i]].tolist() for i in range(len(reqs))]
     else:
@@ -778,7 +831,7 @@ class Engine:
         rows([r.num_drafts for r in reqs], 0, np.int32),
         rows([r.temperature for r in reqs], 0.0, np.float32), rows([r.seed for r in reqs], 0, np.int32),
         num_tokens=1 + max(r.num_drafts for r in reqs), ngram=cfg.ngram, replay=cfg.replay,
-        implementation=cfg.implementation)
+        implementation=cfg.implementation, mtp=self._mtp)
     return _InFlightVerify(reqs=reqs, live=live, run=run, emitted=emitted, drafted=drafted,
                            carry=carry)
 
@@ -923,7 +976,8 @@ def _init_cache(model: LM, config: EngineConfig, max_seq_len: int):
       state_dtype=jnp.dtype(config.state_dtype),
       ring_dtype=None if config.ring_dtype is None else jnp.dtype(config.ring_dtype),
       read_copy_dtype=None if config.read_copy_dtype is None else jnp.dtype(config.read_copy_dtype),
-      max_len=max_seq_len, verify_stacks=not config.replay and config.num_drafts > 0)
+      max_len=max_seq_len, verify_stacks=not config.replay and config.num_drafts > 0,
+      mtp_drafts=config.num_drafts if config.drafter == "mtp" else 0)
 
 
 def _token_ids(name: str, ids) -> list:
