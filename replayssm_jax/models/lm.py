@@ -787,12 +787,19 @@ class LM(nnx.Module):
     Returns:
       (logits [B, T, vocab] float32, m [B, T, D], cache).
     """
+    m, cache = self._mtp_hidden(hidden, next_tokens, cache, slots, start, valid, fresh=fresh,
+                                implementation=implementation)
+    return self._logits(m), m, cache
+
+  def _mtp_hidden(self, hidden, next_tokens, cache, slots, start, valid, *, fresh=False,
+                  implementation=None):
+    """``mtp_forward`` without the head: (m [B, T, D], cache)."""
     if cache.mtp is None:
       raise ValueError("cache has no MTP head cache; expected one from init_cache(mtp_drafts=k)")
     self._check_tokens("next_tokens", next_tokens, 2, "(int32[B, T])")
     m, kv = self.mtp(self._embed(next_tokens), hidden, cache.mtp.kv, slots, start, valid, fresh=fresh,
                      implementation=_layer_implementation(implementation))
-    return self._logits(m), m, cache.replace(mtp=cache.mtp.replace(kv=kv))
+    return m, cache.replace(mtp=cache.mtp.replace(kv=kv))
 
   def mtp_draft(self, cache: LMCache, hidden, next_tokens, slots, start, count, *, fresh=False,
                 implementation=None) -> LMCache:
@@ -812,16 +819,16 @@ class LM(nnx.Module):
     t = hidden.shape[1]
     live = slots >= 0
     valid = (jnp.arange(t, dtype=jnp.int32)[None, :] < count[:, None]) & live[:, None]
-    logits, m, cache = self.mtp_forward(hidden, next_tokens, cache, slots, start, valid, fresh=fresh,
-                                        implementation=implementation)
-    last = jnp.maximum(count - 1, 0)[:, None]
-    pick = lambda a: jnp.take_along_axis(a, last[..., None], axis=1)            # [B, 1, ...]
-    m, draft = pick(m), jnp.argmax(pick(logits), axis=-1).astype(jnp.int32)     # [B, 1, D], [B, 1]
+    m, cache = self._mtp_hidden(hidden, next_tokens, cache, slots, start, valid, fresh=fresh,
+                                implementation=implementation)
+    # Only the last covered position drafts: the head (B·V·D) runs on that lane alone.
+    m = jnp.take_along_axis(m, jnp.maximum(count - 1, 0)[:, None, None], axis=1)      # [B, 1, D]
+    draft = jnp.argmax(self._logits(m), axis=-1).astype(jnp.int32)                   # [B, 1]
     drafts = [draft]
     for j in range(1, cache.mtp.num_drafts):
-      logits, m, cache = self.mtp_forward(m, draft, cache, slots, start + count + j - 1, live[:, None],
-                                          implementation=implementation)
-      draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      m, cache = self._mtp_hidden(m, draft, cache, slots, start + count + j - 1, live[:, None],
+                                  implementation=implementation)
+      draft = jnp.argmax(self._logits(m), axis=-1).astype(jnp.int32)
       drafts.append(draft)
     stored = _slots.scatter_rows(cache.mtp.drafts, slots, jnp.concatenate(drafts, axis=1))
     return cache.replace(mtp=cache.mtp.replace(drafts=stored))
