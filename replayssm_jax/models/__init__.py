@@ -6,7 +6,8 @@ whose layers are GatedDeltaNet and/or Mamba2 (``LMConfig.tiny()``, ``tiny_mamba2
 ``tiny_hybrid()``, ``make_model``; ``LM.verify`` / ``LM.commit`` for speculative steps);
 ``generate`` runs prefill and the decode loop in one ``jax.jit`` with the cache donated
 (``speculative=k``: n-gram drafts verified k at a time, greedy); ``load_pretrained`` reads a local Hugging Face checkpoint
-(Qwen3-Next / Qwen3.5, Mamba2, Nemotron-H, Granite 4.0, Bamba); ``shard_model`` shards mixer heads over a
+(Qwen3-Next / Qwen3.5 with their multi-token-prediction heads, ``models.mtp``, Mamba2, Nemotron-H,
+Granite 4.0, Bamba); ``shard_model`` shards mixer heads over a
 mesh axis (tensor parallel, ``jax.shard_map``).
 """
 from replayssm_jax.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, GdnLayerCache

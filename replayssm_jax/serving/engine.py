@@ -14,7 +14,11 @@ max_running + prefix_slots)`` hold prefix snapshots. Each engine ``step()``:
 
 Speculative decoding (``num_drafts = k > 0``): every running request gets up to k drafts per step
 from its own n-gram drafter (``drafter.NgramDrafter``: what followed the latest earlier occurrence
-of its last ``ngram`` tokens in its prompt + generated tokens) and the step verifies the last
+of its last ``ngram`` tokens in its prompt + generated tokens) — or, with ``drafter="mtp"``, from
+the model's multi-token-prediction head (``models.mtp``), which drafts on the device after every
+prefill and verify step from that step's hidden states and keeps each slot's k drafts in
+``LMCache.mtp`` (every step of a drafting request is then a verify step, so the head's KV cache
+covers each position) — and the step verifies the last
 emitted token plus the drafts (``LM.verify``, T = 1 + the largest ``num_drafts`` of the running
 requests; one compiled program per bucket and T). Rows share the step with different draft
 counts through ``lengths``: a row with d < T - 1 drafts (none, for ``num_drafts=0`` requests or
