@@ -24,7 +24,8 @@ from replayssm_jax.models import generate, load_pretrained
 ROOT_DIR = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT_DIR / "tests" / "data" / "hf"
 FAMILIES = ("qwen3_5", "qwen3_5_vl", "qwen3_next", "qwen3_5_moe", "nemotron_h", "mamba2", "granitemoehybrid",
-            "granitemoehybrid_dense_rope", "bamba", "falcon_h1", "falcon_h1_rms_norm", "qwen3_5_mtp")
+            "granitemoehybrid_dense_rope", "bamba", "falcon_h1", "falcon_h1_rms_norm", "qwen3_5_mtp",
+            "qwen3_next_mtp")
 MAX_PROMPT = 16
 
 
@@ -89,7 +90,7 @@ def test_the_fixtures_exercise_what_they_claim(family):
   name, _, config, ref = family
   kinds = set(config.layer_types) | {config.block_mlp(i) for i in range(config.num_layers)}
   expected = {"qwen3_5": {"gdn", "attention", "dense"}, "qwen3_5_vl": {"gdn", "attention", "dense"},
-              "qwen3_5_mtp": {"gdn", "attention", "dense"},
+              "qwen3_5_mtp": {"gdn", "attention", "dense"}, "qwen3_next_mtp": {"gdn", "attention", "moe", "dense"},
               "qwen3_next": {"gdn", "attention", "moe", "dense"}, "qwen3_5_moe": {"gdn", "attention", "moe"},
               "nemotron_h": {"mamba2", "attention", "moe", "mlp", "dense", None},
               "mamba2": {"mamba2", None}, "granitemoehybrid": {"mamba2", "attention", "moe"},
@@ -97,7 +98,7 @@ def test_the_fixtures_exercise_what_they_claim(family):
               "bamba": {"mamba2", "attention", "dense"}, "falcon_h1": {"parallel", "dense"},
               "falcon_h1_rms_norm": {"parallel", "dense"}}[name]
   assert kinds == expected
-  assert config.mtp_layers == (name == "qwen3_5_mtp")
+  assert config.mtp_layers == name.endswith("_mtp")
   if name in ("nemotron_h", "mamba2"):
     for b in range(2):
       assert 0.2 <= float(ref[f"dt_below_min_{b}"]) <= 0.8

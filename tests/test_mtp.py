@@ -1,5 +1,6 @@
 """The multi-token-prediction head (``models.mtp``): parity with transformers' own modules composed
-as the head (fixture ``qwen3_5_mtp``, tests/data/make_hf_fixtures.py), and the cache logic of
+as the head (fixtures ``qwen3_5_mtp`` and ``qwen3_next_mtp``, whose head's block has the MoE MLP;
+tests/data/make_hf_fixtures.py), the loader's handling of head configs, and the cache logic of
 ``LM.mtp_draft`` (prefill, verify steps and chained drafts) against one no-cache pass."""
 import dataclasses
 import pathlib
@@ -23,10 +24,11 @@ def _highest_precision():
     yield
 
 
-@pytest.fixture(scope="module")
-def fixture():
-  model, config = load_pretrained(DATA / "qwen3_5_mtp", max_prompt_len=64)
-  return model, config, np.load(DATA / "qwen3_5_mtp" / "reference.npz")
+@pytest.fixture(scope="module", params=["qwen3_5_mtp", "qwen3_next_mtp"])
+def fixture(request):
+  model, config = load_pretrained(DATA / request.param, max_prompt_len=64)
+  assert config.mtp_mlp == ("moe" if request.param == "qwen3_next_mtp" else "dense")
+  return model, config, np.load(DATA / request.param / "reference.npz")
 
 
 def _rel(a, b):
@@ -169,3 +171,55 @@ def test_bad_mtp_arguments():
     LMConfig.tiny(mtp_layers=1)
   with pytest.raises(NotImplementedError, match="more than one layer"):
     dataclasses.replace(_tiny_mtp_model().config, mtp_layers=2)
+
+
+def _copy(tmp_path, edit=None, drop_mtp_file=False):
+  import json
+  import shutil
+  path = tmp_path / "qwen3_5_mtp"
+  shutil.copytree(DATA / "qwen3_5_mtp", path)
+  if drop_mtp_file:
+    (path / "mtp.safetensors").unlink()
+  if edit is not None:
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+  return path
+
+
+def test_declared_head_without_tensors_loads_without_it(tmp_path, caplog):
+  """transformers' save_pretrained keeps mtp_num_hidden_layers and drops mtp.*: the model loads,
+  without a head, and says so."""
+  import logging
+  with caplog.at_level(logging.INFO, logger="replayssm_jax.models.hf"):
+    model, config = load_pretrained(_copy(tmp_path, drop_mtp_file=True), max_prompt_len=16)
+  assert config.mtp_layers == 0 and model.mtp is None
+  assert "no mtp.* tensor is present" in caplog.text
+
+
+def test_head_tensors_without_a_declared_head_load_without_it(tmp_path):
+  """A config without mtp_num_hidden_layers: the mtp.* tensors are ignored (as before heads were
+  loaded), the model has no head."""
+  _, config = load_pretrained(_copy(tmp_path, lambda c: c.pop("mtp_num_hidden_layers")), max_prompt_len=16)
+  assert config.mtp_layers == 0
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda c: c.update(mtp_num_hidden_layers=2), NotImplementedError, "mtp_num_hidden_layers=2"),
+    (lambda c: c.update(mtp_use_dedicated_embeddings=True), NotImplementedError,
+     "mtp_use_dedicated_embeddings=true"),
+    (lambda c: c.update(mtp_num_hidden_layers="one"), ValueError, "mtp_num_hidden_layers='one'"),
+], ids=["two-layers", "dedicated-embeddings", "not-an-int"])
+def test_head_configs_the_library_cannot_load(tmp_path, edit, error, match):
+  with pytest.raises(error, match=match):
+    load_pretrained(_copy(tmp_path, edit))
+
+
+def test_missing_head_tensor_is_named(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  path = _copy(tmp_path)
+  tensors = load_file(path / "mtp.safetensors")
+  del tensors["mtp.fc.weight"]
+  save_file(tensors, path / "mtp.safetensors")
+  with pytest.raises(ValueError, match=r"missing tensor 'mtp.fc.weight'; expected shape \[64, 128\]"):
+    load_pretrained(path)

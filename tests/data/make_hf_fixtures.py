@@ -23,12 +23,13 @@ and two files of references computed by transformers from that directory, loaded
   Nemotron-H also has every array but ``prompt_p`` again with the suffix ``_unpatched`` (see below).
 ``reference.json``: the seed, layer kinds and sizes, the checks below and their outcomes.
 
-Multi-token prediction (fixture ``qwen3_5_mtp``). transformers does not build Qwen3.5's MTP head and
+Multi-token prediction (fixtures ``qwen3_5_mtp`` and ``qwen3_next_mtp``, whose head's block has the
+MoE MLP). transformers does not build the Qwen3.5 / Qwen3-Next MTP head and
 ``save_pretrained`` writes no ``mtp.*`` tensor, so the head is composed from transformers' own
 modules as vLLM runs it (``replayssm_jax.models.mtp``): ``nn.Linear(2D, D)`` over
 [``Qwen3_5RMSNorm``(embedding of x_{p+1}) ; ``Qwen3_5RMSNorm``(g_p)], one ``Qwen3_5DecoderLayer`` of
 a full-attention layer index under a causal mask with the model's rotary embedding at position p,
-a final ``Qwen3_5RMSNorm``, then the model's ``lm_head``; g_p is the model's ``last_hidden_state``
+a final ``Qwen3_5RMSNorm``, then the model's ``lm_head`` (``Qwen3Next*`` classes for Qwen3-Next); g_p is the model's ``last_hidden_state``
 (after its final norm). Its tensors, drawn like the model's, go to ``mtp.safetensors`` under the
 names released checkpoints use (``mtp.fc.weight``, ``mtp.layers.0.*``, ...), and
 ``reference.npz`` also holds, for each prompt (L = T_p + 32, the prompt and ``greedy_p``):
@@ -94,6 +95,7 @@ from transformers import (BambaConfig, BambaForCausalLM, FalconH1Config, FalconH
                           Qwen3NextConfig, Qwen3NextForCausalLM)
 from transformers.models.nemotron_h import modeling_nemotron_h as nemotron_h_modeling
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling
+from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next_modeling
 
 OUT = pathlib.Path(__file__).resolve().parent / "hf"
 PROMPT_LENGTHS = (11, 6)
@@ -149,6 +151,13 @@ def qwen3_next():
                            decoder_sparse_step=1, mlp_only_layers=[1],
                            rope_parameters=dict(rope_type="default", rope_theta=5e5, partial_rotary_factor=0.25))
   return Qwen3NextForCausalLM, config
+
+
+def qwen3_next_mtp():
+  """qwen3_next's shape with a multi-token-prediction head, whose block has the MoE MLP."""
+  cls, config = qwen3_next()
+  config.mtp_num_hidden_layers = 1
+  return cls, config
 
 
 def qwen3_5_moe():
@@ -244,7 +253,8 @@ def falcon_h1_rms_norm():
 FIXTURES = dict(qwen3_5=qwen3_5, qwen3_5_vl=qwen3_5_vl, qwen3_next=qwen3_next, qwen3_5_moe=qwen3_5_moe,
                 nemotron_h=nemotron_h, mamba2=mamba2, granitemoehybrid=granitemoehybrid,
                 granitemoehybrid_dense_rope=granitemoehybrid_dense_rope, bamba=bamba, falcon_h1=falcon_h1,
-                falcon_h1_rms_norm=falcon_h1_rms_norm, qwen3_5_mtp=qwen3_5_mtp)
+                falcon_h1_rms_norm=falcon_h1_rms_norm, qwen3_5_mtp=qwen3_5_mtp,
+                qwen3_next_mtp=qwen3_next_mtp)
 MTP_DRAFTS = 3
 SHARED_SEED = dict(qwen3_5_vl="qwen3_5")  # same seed: equal tensor names get equal values
 
@@ -328,18 +338,24 @@ def _mamba_dt_bias(shape, gen):
 
 # ---- the MTP head (transformers' modules, composed) -----------------------------------------
 
-class _MTPHead(nn.Module):
-  """Qwen3.5's multi-token-prediction head from transformers' own layers (module docstring)."""
+# The modeling module and class-name prefix of each MTP fixture's decoder layer and RMSNorm.
+MTP_LAYERS = {"qwen3_5_mtp": (qwen3_5_modeling, "Qwen3_5"), "qwen3_next_mtp": (qwen3_next_modeling, "Qwen3Next")}
 
-  def __init__(self, config):
+
+class _MTPHead(nn.Module):
+  """A Qwen3.5 / Qwen3-Next multi-token-prediction head from transformers' own layers (module
+  docstring): the decoder layer of a full-attention index (Qwen3-Next: with its MoE MLP)."""
+
+  def __init__(self, config, modeling, prefix):
     super().__init__()
     d, eps = config.hidden_size, config.rms_norm_eps
+    norm = getattr(modeling, prefix + "RMSNorm")
     self.fc = nn.Linear(2 * d, d, bias=False)
-    self.pre_fc_norm_embedding = qwen3_5_modeling.Qwen3_5RMSNorm(d, eps=eps)
-    self.pre_fc_norm_hidden = qwen3_5_modeling.Qwen3_5RMSNorm(d, eps=eps)
-    self.layers = nn.ModuleList([qwen3_5_modeling.Qwen3_5DecoderLayer(
+    self.pre_fc_norm_embedding = norm(d, eps=eps)
+    self.pre_fc_norm_hidden = norm(d, eps=eps)
+    self.layers = nn.ModuleList([getattr(modeling, prefix + "DecoderLayer")(
         config, config.layer_types.index("full_attention"))])
-    self.norm = qwen3_5_modeling.Qwen3_5RMSNorm(d, eps=eps)
+    self.norm = norm(d, eps=eps)
 
   def forward(self, model, hidden, next_ids):
     """hidden [1, T, D] at positions 0..T-1, next_ids [1, T] → (logits [1, T, V], m [1, T, D])."""
@@ -347,7 +363,8 @@ class _MTPHead(nn.Module):
     u = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)], dim=-1))
     t = u.shape[1]
     positions = torch.arange(t)[None]
-    rope = model.model.rotary_emb(u, positions[None].expand(3, 1, t))
+    multimodal = isinstance(model, Qwen3_5ForCausalLM)   # its rotary takes (t, h, w) position ids
+    rope = model.model.rotary_emb(u, positions[None].expand(3, 1, t) if multimodal else positions)
     causal = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]
     u = self.layers[0](u, position_embeddings=rope, attention_mask=causal, position_ids=positions)
     m = self.norm(u)
@@ -357,16 +374,17 @@ class _MTPHead(nn.Module):
 class _MTPHolder(nn.Module):
   """Names the head's tensors ``mtp.*``, as released checkpoints do."""
 
-  def __init__(self, config):
+  def __init__(self, config, modeling, prefix):
     super().__init__()
-    self.mtp = _MTPHead(config)
+    self.mtp = _MTPHead(config, modeling, prefix)
 
 
 @torch.no_grad()
-def _mtp_references(model, path, draw_seed, prompt_list, arrays):
+def _mtp_references(name, model, path, draw_seed, prompt_list, arrays):
   """Draws and saves the head (``mtp.safetensors``); its teacher-forced logits and chained drafts."""
-  holder = _MTPHolder(model.config)
+  holder = _MTPHolder(model.config, *MTP_LAYERS[name])
   _draw(holder, draw_seed)
+  routers = _RouterGaps(holder)
   safetensors.torch.save_file({k: v.contiguous() for k, v in holder.state_dict().items()},
                               str(path / "mtp.safetensors"))
   out, gaps = {}, []
@@ -386,9 +404,12 @@ def _mtp_references(model, path, draw_seed, prompt_list, arrays):
     out[f"mtp_hidden_{p}"] = hidden[0].numpy()
     out[f"mtp_logits_{p}"] = logits[0].numpy()
     out[f"mtp_chain_{p}"] = np.asarray(chain, np.int32)
-  if min(gaps) < MIN_LOGIT_GAP:
-    raise RuntimeError(f"MTP chain near-tie (gap {min(gaps)}); change the fixture seed")
-  return out, dict(min_chain_logit_gap=min(gaps), drafts=MTP_DRAFTS)
+  routers.close()
+  if min(gaps) < MIN_LOGIT_GAP or routers.gap < MIN_ROUTER_GAP:
+    raise RuntimeError(f"MTP near-tie (chain logit gap {min(gaps)}, router gap {routers.gap}); change "
+                       f"the fixture seed")
+  return out, dict(min_chain_logit_gap=min(gaps), drafts=MTP_DRAFTS,
+                   min_router_gap=None if math.isinf(routers.gap) else routers.gap)
 
 
 # ---- running transformers ------------------------------------------------------------------
@@ -593,8 +614,8 @@ def build(name, prompt_list):
     limits = {tuple(m.time_step_limit) for m in model.modules()
               if type(m).__name__ in ("Mamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer")}
     record["dt_limit"] = dict(mixer_time_step_limit=[[str(x) for x in l] for l in limits])
-  if name in ("qwen3_5_mtp",):
-    mtp_arrays, record["mtp"] = _mtp_references(model, path, draw_seed, prompt_list, arrays)
+  if name in MTP_LAYERS:
+    mtp_arrays, record["mtp"] = _mtp_references(name, model, path, draw_seed, prompt_list, arrays)
     arrays |= mtp_arrays
   for p, prompt in enumerate(prompt_list):
     arrays[f"prompt_{p}"] = prompt
