@@ -47,7 +47,7 @@ def _check():
   _check_model(LMConfig.tiny_mamba2(num_layers=4, layer_types=("gdn", "attention", "mamba2", "moe"),
                                     mlp_types=("moe", "dense", "dense", "dense"), attention=attention,
                                     moe=moe, embedding_multiplier=3.0, residual_multiplier=0.5,
-                                    logits_scaling=2.0, **heads))
+                                    logits_scaling=2.0, mtp_layers=1, **heads))
   _check_model(LMConfig.tiny_mamba2(num_layers=2, layer_types=("parallel", "gdn"), mamba2_norm="norm_then_gate",
                                     attention=AttentionConfig(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=8),
                                     **heads))
@@ -63,6 +63,7 @@ def _check_model(config):
 
   model = make_model(config, seed=0)
   sharded = shard_model(model, Mesh(np.array(jax.devices()), ("tp",)), axis="tp")
+  assert sharded.local_config.mtp_layers == 0   # an MTP head drafts for unsharded LMs only: left out
   tokens = jnp.asarray(np.random.RandomState(0).randint(1, 256, (3, 16)), jnp.int32)
   slots, lengths = jnp.array([4, 0, 2], jnp.int32), jnp.array([16, 5, 11], jnp.int32)
 
