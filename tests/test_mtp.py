@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from replayssm_jax.models import load_pretrained
+from replayssm_jax.models import generate, load_pretrained
 from replayssm_jax.models.attention import AttentionConfig
 from replayssm_jax.models.lm import LMConfig, make_model
 
@@ -79,6 +79,43 @@ def test_drafts_after_prefill_match_transformers(fixture):
   drafts = np.asarray(cache.mtp.drafts)
   assert drafts[2].tolist() == ref["mtp_chain_0"].tolist()
   assert drafts[0].tolist() == ref["mtp_chain_1"].tolist()
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "conventional"])
+def test_generate_with_mtp_drafts_gives_transformers_greedy_tokens(fixture, replay):
+  """``generate(speculative=3, drafter="mtp")``: both prompts in one batch, transformers' 32 greedy
+  tokens, ReplaySSM and conventional verify."""
+  model, _, ref = fixture
+  prompts = np.zeros((2, 16), np.int32)
+  for b in range(2):
+    prompts[b, :len(ref[f"prompt_{b}"])] = ref[f"prompt_{b}"]
+  lengths = np.array([len(ref["prompt_0"]), len(ref["prompt_1"])], np.int32)
+  tokens, num = generate(model, prompts, lengths, max_new_tokens=32, speculative=K, drafter="mtp",
+                         replay=replay)
+  assert np.asarray(num).tolist() == [32, 32]
+  for b in range(2):
+    assert np.asarray(tokens[b]).tolist() == ref[f"greedy_{b}"].tolist(), b
+
+
+def test_generate_with_mtp_drafts_accepts_them():
+  """The looping model whose head guesses its successor map (bench.engine_spec.looping_model):
+  greedy tokens of plain decoding, most drafts accepted, fewer model steps; a stop token inside an
+  accepted run ends the row there. Two drafts per step: the map's period is 4, so with three a
+  head that never drafted again would still be right."""
+  from bench.engine_spec import looping_model
+  model = looping_model(_tiny_mtp_model(), mixer_scale=0.02)
+  prompts = np.random.default_rng(4).integers(1, 256, (3, 8)).astype(np.int32)
+  lengths = np.array([8, 5, 3], np.int32)
+  plain, _ = generate(model, prompts, lengths, max_new_tokens=20)
+  tokens, num, stats = generate(model, prompts, lengths, max_new_tokens=20, speculative=2, drafter="mtp",
+                                return_stats=True)
+  np.testing.assert_array_equal(np.asarray(tokens), np.asarray(plain))
+  assert int(stats.accepted.sum()) >= 0.8 * 2 * int(stats.steps.sum()), stats
+  stop = int(plain[0, 5])
+  cut, n = generate(model, prompts, lengths, max_new_tokens=20, speculative=2, drafter="mtp",
+                    stop_tokens=(stop,))
+  first = int(np.argmax(np.asarray(plain[0]) == stop))
+  assert int(n[0]) == first + 1 and np.asarray(cut[0, :first + 1]).tolist() == np.asarray(plain[0, :first + 1]).tolist()
 
 
 def _tiny_mtp_model(seed=0):
@@ -171,6 +208,13 @@ def test_bad_mtp_arguments():
     LMConfig.tiny(mtp_layers=1)
   with pytest.raises(NotImplementedError, match="more than one layer"):
     dataclasses.replace(_tiny_mtp_model().config, mtp_layers=2)
+  prompts, lengths = np.ones((1, 4), np.int32), np.array([4], np.int32)
+  with pytest.raises(ValueError, match="drafter='mtp' with speculative=0"):
+    generate(_tiny_mtp_model(), prompts, lengths, max_new_tokens=2, drafter="mtp")
+  with pytest.raises(ValueError, match="mtp_layers=0"):
+    generate(make_model(LMConfig.tiny()), prompts, lengths, max_new_tokens=2, speculative=2, drafter="mtp")
+  with pytest.raises(ValueError, match="drafter='beam'"):
+    generate(make_model(LMConfig.tiny()), prompts, lengths, max_new_tokens=2, drafter="beam")
 
 
 def _copy(tmp_path, edit=None, drop_mtp_file=False):

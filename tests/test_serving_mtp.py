@@ -20,7 +20,7 @@ from replayssm_jax.models import make_model
 from replayssm_jax.serving import Engine, EngineConfig
 from tests.test_serving import BASE, HYBRID, assert_same_cache, preempted
 
-K = 3
+K = 2   # the looping map's period is 4: with 3 drafts, stale drafts after full accepts stay right
 DRAFTING = BASE | dict(batch_buckets=(4,))
 MTP = EngineConfig(**DRAFTING, num_drafts=K, drafter="mtp", overlap=False)
 RNG = np.random.RandomState(2)

@@ -80,7 +80,7 @@ def ngram_drafts(history, length, *, num_drafts, ngram):
 
 
 def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_tokens, replay,
-                   temperature, stop_tokens, implementation, speculative, ngram):
+                   temperature, stop_tokens, implementation, speculative, ngram, drafter):
   """Traced body. prompts int32[B, P], lengths int32[B] →
   (tokens [B, M], num_generated [B], GenerateStats, cache)."""
   model = nnx.merge(graphdef, params)
@@ -91,7 +91,8 @@ def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_to
   def is_stop(tok):
     return jnp.any(tok[..., None] == stops, axis=-1)
 
-  logits, cache = model.prefill(prompts, cache, slots, lengths)
+  mtp = drafter == "mtp"
+  logits, cache, *hidden = model.prefill(prompts, cache, slots, lengths, return_hidden=mtp)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, vocab]
   if speculative:
     # Per-row keys (sampling.speculative_sample): row b's token at position j draws from
@@ -104,10 +105,15 @@ def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_to
   out = jnp.full((bsz, max_new_tokens), PAD_TOKEN, jnp.int32).at[:, 0].set(tok)
   done = is_stop(tok)                       # a stop token is emitted and counted, then the row stops
   num = jnp.ones((bsz,), jnp.int32)
+  if mtp:   # the head drafts after the prompt: position p with token p + 1, the first token last
+    following = jnp.concatenate([prompts[:, 1:], jnp.zeros_like(prompts[:, :1])], axis=1)
+    following = following.at[slots, lengths - 1].set(tok)
+    cache = model.mtp_draft(cache, hidden[0], following, slots, jnp.zeros_like(lengths), lengths,
+                            fresh=True, implementation=implementation)
   if speculative:
     return _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_stop, temps, keys,
                              max_new_tokens=max_new_tokens, implementation=implementation,
-                             num_drafts=speculative, ngram=ngram, replay=replay)
+                             num_drafts=speculative, ngram=ngram, replay=replay, mtp=mtp)
 
   def cond(carry):
     i, _, _, done, _, _ = carry
@@ -130,8 +136,9 @@ def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_to
 
 
 def _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_stop, temps, keys, *,
-                      max_new_tokens, implementation, num_drafts, ngram, replay):
-  """Draft-and-verify loop after prefill (the first token is already in ``out``)."""
+                      max_new_tokens, implementation, num_drafts, ngram, replay, mtp):
+  """Draft-and-verify loop after prefill (the first token is already in ``out``); ``mtp``: the
+  drafts are the MTP head's (``LMCache.mtp``), which drafts again after each commit."""
   bsz, m, t = prompts.shape[0], max_new_tokens, num_drafts + 1
   rows, lane = jnp.arange(bsz)[:, None], jnp.arange(t)[None, :]
   slots = jnp.arange(bsz, dtype=jnp.int32)
@@ -144,11 +151,14 @@ def _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_st
   def body(carry):
     tok, out, history, done, num, steps, accepted, cache = carry
     live = ~done
-    drafts = ngram_drafts(history, lengths + num, num_drafts=num_drafts, ngram=ngram)     # [B, k]
+    if mtp:
+      drafts, start = cache.mtp.drafts, model._start(cache, slots)                         # [B, k]
+    else:
+      drafts = ngram_drafts(history, lengths + num, num_drafts=num_drafts, ngram=ngram)   # [B, k]
     # Finished rows become padding rows (slot -1): their caches stay as they were.
-    logits, step = model.verify(jnp.concatenate([tok[:, None], drafts], axis=1), cache,
-                                jnp.where(done, -1, slots), replay=replay,
-                                implementation=implementation)
+    step_slots = jnp.where(done, -1, slots)
+    logits, step = model.verify(jnp.concatenate([tok[:, None], drafts], axis=1), cache, step_slots,
+                                replay=replay, implementation=implementation, return_hidden=mtp)
     # The run: the accepted drafts, then the model's own token at the first lane that did not
     # accept. It is cut after the first stop token and at the row's remaining budget.
     run, n_run = sampling.speculative_sample(logits, drafts, jnp.full((bsz,), num_drafts, jnp.int32),
@@ -163,6 +173,9 @@ def _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_st
     # The emitted tokens but the last were inputs of this step (token 0 and accepted drafts):
     # exactly `emit` inputs commit; the last emitted token is the next step's token 0.
     cache = model.commit(step, jnp.maximum(emit, 1))
+    if mtp:
+      cache = model.mtp_draft(cache, step.hidden, run, step_slots, start, jnp.maximum(emit, 1),
+                              implementation=implementation)
     tok = jnp.where(live, jnp.take_along_axis(run, jnp.maximum(emit - 1, 0)[:, None], axis=1)[:, 0], tok)
     num = num + emit
     steps = steps + live.astype(jnp.int32)
@@ -179,7 +192,7 @@ def _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_st
 _generate_jit = jax.jit(
     _generate_impl, donate_argnames=("cache",),
     static_argnames=("graphdef", "max_new_tokens", "replay", "temperature", "stop_tokens",
-                     "implementation", "speculative", "ngram"))
+                     "implementation", "speculative", "ngram", "drafter"))
 
 
 def _as_int(name, value, lo):
@@ -190,7 +203,7 @@ def _as_int(name, value, lo):
 
 def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temperature=0.0,
              stop_tokens=(), seed=0, buffer_len=None, implementation=None, speculative=0, ngram=2,
-             return_stats=False):
+             drafter="ngram", return_stats=False):
   """Generates ``max_new_tokens`` tokens per row after right-padded prompts.
 
   The first token comes from the prefill logits at position ``lengths[b] - 1``; each further token
@@ -209,7 +222,8 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   ``speculative=0`` makes, same distribution). Stop tokens and ``max_new_tokens`` cut a run of
   accepted drafts exactly. Steps per row shrink by the accepted drafts (``return_stats``).
   ``replay=False`` verifies through conventional state stacks (``LM.verify(replay=False)``, the
-  baseline): the same tokens.
+  baseline): the same tokens. ``drafter="mtp"`` drafts with the model's multi-token-prediction
+  head instead (``models.mtp``; greedy drafts made after the prefill and after every commit).
 
   Args:
     model: an LM (e.g. ``make_model(LMConfig.tiny(), seed)``).
@@ -227,6 +241,8 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
     speculative: k drafts per step, 0 <= k <= 7 (0: one token per step). Needs
       ``buffer_len >= k + 1``.
     ngram: n-gram length the drafter matches (speculative mode).
+    drafter: "ngram" or "mtp" (the model's MTP head; needs ``speculative >= 1`` and a model with
+      ``mtp_layers``).
     return_stats: also return a ``GenerateStats`` (model steps and accepted drafts per row).
 
   Returns:
@@ -252,6 +268,11 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   if speculative and buffer_len < speculative + 1:
     raise ValueError(f"buffer_len={buffer_len} with speculative={speculative}; expected buffer_len "
                      f">= speculative + 1 (a flushed row's drafts must fit its window)")
+  if drafter not in ("ngram", "mtp"):
+    raise ValueError(f"drafter={drafter!r}; expected 'ngram' or 'mtp'")
+  if drafter == "mtp" and (not speculative or model.mtp is None):
+    raise ValueError(f"drafter='mtp' with speculative={speculative} and mtp_layers={cfg.mtp_layers}; "
+                     f"expected speculative >= 1 and a model with a multi-token-prediction head")
   stop_tokens = tuple(int(_as_int("stop_tokens", s, 0)) for s in stop_tokens)
   if any(s >= cfg.vocab_size for s in stop_tokens):
     raise ValueError(f"stop_tokens={stop_tokens}; expected ids in [0, {cfg.vocab_size})")
@@ -280,10 +301,11 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   # KV capacity: the longest prompt, every generated token and one step's drafts.
   cache = model.init_cache(bsz, buffer_len=buffer_len, max_draft=speculative,
                            max_len=cfg.max_prompt_len + max_new_tokens + speculative,
-                           verify_stacks=bool(speculative) and not replay)
+                           verify_stacks=bool(speculative) and not replay,
+                           mtp_drafts=speculative if drafter == "mtp" else 0)
   tokens, num, stats, _ = _generate_jit(
       graphdef, params, cache, jnp.asarray(padded), jnp.asarray(lengths_np), jax.random.PRNGKey(seed),
       max_new_tokens=max_new_tokens, replay=bool(replay), temperature=float(temperature),
       stop_tokens=stop_tokens, implementation=implementation, speculative=speculative,
-      ngram=ngram)
+      ngram=ngram, drafter=drafter)
   return (tokens, num, stats) if return_stats else (tokens, num)
