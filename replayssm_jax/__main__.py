@@ -4,7 +4,8 @@
   conventional decode (the repository's tiny Qwen3.5 checkpoint, or ``--model-dir``); asserts
   identical tokens, prints tokens/s.
 * ``generate``: greedy / sampled generation from a local Hugging Face directory
-  (``--model-dir``, via ``models.load_pretrained``) or the tiny default; the prompt is given as
+  (``--model-dir``, via ``models.load_pretrained``) or the tiny default, optionally speculative
+  (``--speculative k``, drafts by n-gram or ``--drafter mtp``, the checkpoint's MTP head); the prompt is given as
   token ids (``--token-ids 1,2,3``) or as text encoded byte-level (``--prompt``: UTF-8 bytes as
   ids, for byte-level vocabularies such as the tiny default's; real checkpoints need token ids
   from their tokenizer).
@@ -35,7 +36,8 @@ def _generate(args) -> int:
   tokens, num = generate(model, np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32),
                          max_new_tokens=args.max_new_tokens, replay=not args.conventional,
                          temperature=args.temperature, seed=args.seed, buffer_len=args.buffer_len,
-                         stop_tokens=tuple(args.stop_tokens))
+                         stop_tokens=tuple(args.stop_tokens), speculative=args.speculative,
+                         drafter=args.drafter)
   out = [int(t) for t in np.asarray(tokens)[0, :int(num[0])]]
   print(" ".join(map(str, out)))
   if args.prompt is not None and config.vocab_size <= 256:
@@ -72,7 +74,11 @@ def main(argv=None) -> int:
   gen.add_argument("--max-prompt-len", type=int, default=128)
   gen.add_argument("--temperature", type=float, default=0.0)
   gen.add_argument("--seed", type=int, default=0)
-  gen.add_argument("--buffer-len", type=int, default=16)
+  gen.add_argument("--buffer-len", type=int, default=None,
+                   help="ReplaySSM buffer length L (default: the library's for --speculative)")
+  gen.add_argument("--speculative", type=int, default=0, help="drafts verified per step (0: off)")
+  gen.add_argument("--drafter", default="ngram", choices=["ngram", "mtp"],
+                   help="n-gram drafts, or the checkpoint's multi-token-prediction head")
   gen.add_argument("--stop-tokens", type=int, nargs="*", default=[])
   gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
   gen.add_argument("--conventional", action="store_true", help="conventional decode instead of replay")

@@ -24,6 +24,15 @@ def test_generate_from_a_checkpoint_gives_transformers_greedy_tokens():
   assert proc.stdout.split("\n")[0].split() == [str(t) for t in ref["greedy_1"][:8]]
 
 
+def test_speculative_generate_with_the_mtp_head():
+  ref = np.load(DATA / "qwen3_5_mtp" / "reference.npz")
+  ids = ",".join(map(str, ref["prompt_0"]))
+  proc = _cli("generate", "--model-dir", str(DATA / "qwen3_5_mtp"), "--token-ids", ids, "--max-new-tokens", "8",
+              "--speculative", "3", "--drafter", "mtp")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split("\n")[0].split() == [str(t) for t in ref["greedy_0"][:8]]
+
+
 def test_errors_are_one_line(tmp_path):
   bad = tmp_path / "nemotron"
   shutil.copytree(DATA / "nemotron_h", bad)
@@ -33,6 +42,8 @@ def test_errors_are_one_line(tmp_path):
   for args, match in ((("generate", "--model-dir", str(bad), "--token-ids", "1,2"), "layer 1 is 'sliding_attention'"),
                       (("generate", "--model-dir", str(tmp_path / "none"), "--token-ids", "1"), "has no config.json"),
                       (("generate", "--token-ids", "1,x"), "--token-ids '1,x'"),
+                      (("generate", "--token-ids", "1", "--speculative", "2", "--drafter", "mtp"),
+                       "a model with a multi-token-prediction head"),
                       (("demo", "--model-dir", str(tmp_path / "none")), "has no config.json")):
     proc = _cli(*args)
     assert proc.returncode == 2, (args, proc.stderr[-3000:])
