@@ -212,8 +212,9 @@ class EngineConfig:
                        "head makes per step)")
     if self.drafter == "mtp" and self.prefix_block:
       raise NotImplementedError(
-          f"drafter='mtp' with prefix_block={self.prefix_block}: a prefix snapshot would need the "
-          f"head's entry at the block's last position, which waits for the next block's first token")
+          f"drafter='mtp' with prefix_block={self.prefix_block}: the MTP head is not threaded "
+          f"through block-wise prefill (each block's last position drafts from the next block's "
+          f"first token) and prefix snapshots; use prefix_block=0 or drafter='ngram'")
     if self.overlap is not None and not isinstance(self.overlap, bool):
       raise ValueError(f"overlap={self.overlap!r}; expected None or a bool")
     if self.overlap and self.prefix_block and self.num_drafts:
