@@ -30,6 +30,12 @@ windows); ``cache = lm.commit(step, num_accepted)`` keeps each row's accepted pr
 commit (the ring rollback), the conv-state rewind of every recurrent layer and the position
 advance (the KV rollback: entries past a slot's position are never read).
 
+Multi-token prediction (Qwen3.5 / Qwen3-Next checkpoints, ``LMConfig.mtp_layers``): ``lm.mtp``
+is the checkpoint's MTP head (``models.mtp``); ``init_cache(mtp_drafts=k)`` adds its KV cache and k
+pending drafts per slot (``LMCache.mtp``), ``prefill`` / ``verify`` return the final-normed hidden
+states it reads (``return_hidden``), and ``mtp_draft`` writes its entries for a step's covered
+positions and chains k greedy drafts.
+
 Conventional speculative verify (the baseline): a cache made with ``init_cache(verify_stacks=True)``
 keeps each recurrent layer's state in a stack ``[N, T_max, ...]`` (``LMCache.stacks``, T_max =
 max_draft + 1) and ``LMCache.read_index[n]`` names the entry that holds slot n's state;
