@@ -63,18 +63,18 @@ from bench.model_e2e import model_config
 from replayssm_jax.models import make_model
 from replayssm_jax.serving import Engine, EngineConfig
 
-ARMS = {"decode-replay": (False, True, False, False), "decode-conv": (False, False, False, False),
-        "spec-replay": (True, True, False, False), "spec-conv": (True, False, False, False),
-        "decode-replay-overlap": (False, True, True, False),
-        "decode-conv-overlap": (False, False, True, False),
-        "spec-replay-overlap": (True, True, True, False),
-        "spec-conv-overlap": (True, False, True, False),
-        "decode-replay-overlap-copy": (False, True, True, True),
-        "spec-replay-copy": (True, True, False, True),
-        "spec-replay-overlap-copy": (True, True, True, True),
-        "spec-mtp-overlap": (True, True, True, False, "mtp"),
-        "spec-mtp-conv-overlap": (True, False, True, False, "mtp")}
-# name: (drafting, replay, overlap, read copy[, drafter]); the drafter is "ngram" unless named
+# name: (drafter, or None for plain decode; replay; overlap; read copy)
+ARMS = {"decode-replay": (None, True, False, False), "decode-conv": (None, False, False, False),
+        "spec-replay": ("ngram", True, False, False), "spec-conv": ("ngram", False, False, False),
+        "decode-replay-overlap": (None, True, True, False),
+        "decode-conv-overlap": (None, False, True, False),
+        "spec-replay-overlap": ("ngram", True, True, False),
+        "spec-conv-overlap": ("ngram", False, True, False),
+        "decode-replay-overlap-copy": (None, True, True, True),
+        "spec-replay-copy": ("ngram", True, False, True),
+        "spec-replay-overlap-copy": ("ngram", True, True, True),
+        "spec-mtp-overlap": ("mtp", True, True, False),
+        "spec-mtp-conv-overlap": ("mtp", False, True, False)}
 DEFAULT_ARMS = ("decode-replay", "decode-conv", "spec-replay", "spec-conv")
 
 
@@ -85,7 +85,8 @@ def looping_model(model, *, strength=20.0, mixer_scale=0.2, period=4):
   ``mixer_scale`` against it: greedy streams fall into short cycles (the n-gram drafter hits) but
   still depend on every layer's state. A multi-token-prediction head (``model.mtp``) is made to
   guess the same map one token further: ``fc`` passes the next token's normed embedding through
-  and its attention and MLP outputs are scaled by ``mixer_scale``. Modifies and returns ``model``."""
+  and its attention output and dense MLP output are scaled by ``mixer_scale``. Modifies and returns
+  ``model``."""
   emb = np.asarray(model.embed.embedding[...], np.float32)
   vocab = emb.shape[0]
   succ = (np.arange(vocab) // period) * period + (np.arange(vocab) + 1) % period
@@ -175,14 +176,14 @@ def _serve(model, config, prompts, new_tokens):
 
 def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_dtype, reps,
             prefill_tokens, prefix_block=0, prefix_slots=0):
-  drafting, replay, overlap, copy, drafter = ARMS[arm] + ("ngram",) * (len(ARMS[arm]) == 4)
-  k = drafts if drafting else 0
+  drafter, replay, overlap, copy = ARMS[arm]
+  k = drafts if drafter else 0
   config = EngineConfig(max_running=batch, batch_buckets=(batch,), replay=replay, num_drafts=k,
                         overlap=overlap, prefix_block=prefix_block, prefix_slots=prefix_slots,
                         prefill_tokens=prefill_tokens,
                         buffer_len=buffer_len, max_prompt_len=len(prompts[0]),
                         max_seq_len=len(prompts[0]) + new_tokens, ring_dtype=ring_dtype,
-                        read_copy_dtype="bfloat16" if copy else None, drafter=drafter)
+                        read_copy_dtype="bfloat16" if copy else None, drafter=drafter or "ngram")
   _serve(model, config, prompts, new_tokens)       # compiles prefill, decode and verify
   runs = sorted((_serve(model, config, prompts, new_tokens) for _ in range(reps)), key=lambda r: r[1])
   tokens, seconds, steps, generated, drafted, accepted, split, hits = runs[len(runs) // 2]

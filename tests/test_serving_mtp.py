@@ -19,6 +19,7 @@ from bench.engine_spec import looping_model
 from replayssm_jax.models import make_model
 from replayssm_jax.serving import Engine, EngineConfig
 from tests.test_serving import BASE, HYBRID, assert_same_cache, preempted
+from tests.test_serving_spec import _schedule
 
 K = 2   # the looping map's period is 4: with 3 drafts, stale drafts after full accepts stay right
 DRAFTING = BASE | dict(batch_buckets=(4,))
@@ -44,23 +45,11 @@ def plain(model):
   return [out[i] for i in ids]
 
 
-def _run(model, config, joins):
-  engine = Engine(model, config)
-  step, pending = 0, list(range(4))
-  while pending or not engine.idle:
-    for i in [i for i in pending if joins[i] <= step]:
-      engine.submit(PROMPTS[i], max_new_tokens=NEW[i], num_drafts=DRAFTS[i], request_id=f"r{i}",
-                    **SUBMIT.get(i, {}))
-      pending.remove(i)
-    engine.step()
-    step += 1
-  out = engine.outputs()
-  return [out[f"r{i}"] for i in range(4)], [engine.stats(f"r{i}") for i in range(4)]
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
 def test_mtp_drafting_gives_the_plain_tokens(model, plain, overlap):
-  tokens, stats = _run(model, dataclasses.replace(MTP, overlap=overlap), [0, 0, 1, 2])
+  tokens, engine = _schedule(model, dataclasses.replace(MTP, overlap=overlap), [0, 0, 1, 2],
+                             prompts=PROMPTS, new=NEW, drafts=DRAFTS, options=SUBMIT)
+  stats = [engine.stats(f"r{i}") for i in range(4)]
   assert tokens == plain
   assert all(s.generated_tokens == n for s, n in zip(stats, NEW))
   # The head's drafts hit: most of the 3-draft requests' drafts are accepted.

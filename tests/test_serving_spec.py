@@ -75,21 +75,22 @@ def plain(model):
   return [out[i] for i in ids], [out[i] for i in greedy]
 
 
-def _schedule(model, config, joins, submit=None):
-  """Submits request i at step joins[i] (SUBMIT's options, updated by ``submit``); returns
-  (tokens per request, engine)."""
-  submit = {i: SUBMIT.get(i, {}) | (submit or {}).get(i, {}) for i in range(4)}
+def _schedule(model, config, joins, submit=None, *, prompts=PROMPTS, new=NEW, drafts=DRAFTS,
+              options=SUBMIT):
+  """Submits request i (``prompts[i]``, ``new[i]`` tokens, ``drafts[i]`` drafts, ``options``
+  updated by ``submit``) at step joins[i]; returns (tokens per request, engine)."""
+  submit = {i: options.get(i, {}) | (submit or {}).get(i, {}) for i in range(len(prompts))}
   engine = Engine(model, config)
-  step, pending = 0, list(range(4))
+  step, pending = 0, list(range(len(prompts)))
   while pending or not engine.idle:
     for i in [i for i in pending if joins[i] <= step]:
-      engine.submit(PROMPTS[i], max_new_tokens=NEW[i], num_drafts=DRAFTS[i], request_id=f"r{i}",
+      engine.submit(prompts[i], max_new_tokens=new[i], num_drafts=drafts[i], request_id=f"r{i}",
                     **submit[i])
       pending.remove(i)
     engine.step()
     step += 1
   out = engine.outputs()
-  return [out[f"r{i}"] for i in range(4)], engine
+  return [out[f"r{i}"] for i in range(len(prompts))], engine
 
 
 def test_speculative_greedy_equals_plain_greedy(model, plain, monkeypatch):

@@ -106,10 +106,8 @@ def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_to
   done = is_stop(tok)                       # a stop token is emitted and counted, then the row stops
   num = jnp.ones((bsz,), jnp.int32)
   if mtp:   # the head drafts after the prompt: position p with token p + 1, the first token last
-    following = jnp.concatenate([prompts[:, 1:], jnp.zeros_like(prompts[:, :1])], axis=1)
-    following = following.at[slots, lengths - 1].set(tok)
-    cache = model.mtp_draft(cache, hidden[0], following, slots, jnp.zeros_like(lengths), lengths,
-                            fresh=True, implementation=implementation)
+    cache = model.mtp_draft_after_prefill(cache, hidden[0], prompts, tok, slots, lengths,
+                                          implementation=implementation)
   if speculative:
     return _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_stop, temps, keys,
                              max_new_tokens=max_new_tokens, implementation=implementation,

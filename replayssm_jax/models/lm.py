@@ -839,6 +839,16 @@ class LM(nnx.Module):
     stored = _slots.scatter_rows(cache.mtp.drafts, slots, jnp.concatenate(drafts, axis=1))
     return cache.replace(mtp=cache.mtp.replace(drafts=stored))
 
+  def mtp_draft_after_prefill(self, cache: LMCache, hidden, tokens, first, slots, lengths, *,
+                              fresh=True, implementation=None) -> LMCache:
+    """``mtp_draft`` after a prefill of right-padded ``tokens`` int32[B, T] (``lengths``) from
+    position 0: position p's next token is the prompt's token p + 1, the last position's is the
+    sampled ``first`` int32[B]."""
+    following = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    following = following.at[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)].set(first)
+    return self.mtp_draft(cache, hidden, following, slots, jnp.zeros_like(lengths), lengths,
+                          fresh=fresh, implementation=implementation)
+
   def copy_slots(self, cache: LMCache, src, dst) -> LMCache:
     """Every layer's cache and the slot state of ``src[i]`` → ``dst[i]`` (prefix snapshots).
 

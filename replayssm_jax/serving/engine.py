@@ -315,11 +315,8 @@ def _prefill_impl(graphdef, treedef, leaves, cache, tokens, slots, lengths, temp
   last, cache, hidden = model.prefill(tokens, cache, slots, lengths, resume=resume, logits_at=last_at,
                                       return_hidden=True)
   first = sampling.sample(last, temps, sampling.seed_keys(seeds), jnp.zeros_like(seeds))
-  following = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], PAD_TOKEN)], axis=1)
-  following = following.at[jnp.arange(tokens.shape[0]), last_at].set(first)
-  cache = model.mtp_draft(cache, hidden, following, slots, jnp.zeros_like(lengths), lengths,
-                          fresh=not resume)
-  return first, cache
+  return first, model.mtp_draft_after_prefill(cache, hidden, tokens, first, slots, lengths,
+                                              fresh=not resume)
 
 
 def _decode_impl(graphdef, treedef, leaves, cache, tokens, slots, force, temps, seeds, positions, *,
