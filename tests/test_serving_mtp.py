@@ -8,18 +8,26 @@ drafts hit).
   tokens — and the head's drafts are accepted.
 * Preempt → resume continues bit for bit (the head's KV cache and pending drafts travel in the
   cache).
+* Prefix caching: every snapshot (prompt blocks, decode boundaries) holds the head's KV entries of
+  a fresh prefill of its key (the covered tokens and the one after them); requests that hit a
+  snapshot — or miss one because their next token differs — start with the head's KV cache of a
+  whole-prompt prefill, and get a cold run's tokens.
 * Options the engine cannot serve raise.
 """
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from bench.engine_spec import looping_model
 from replayssm_jax.models import make_model
 from replayssm_jax.serving import Engine, EngineConfig
-from tests.test_serving import BASE, HYBRID, assert_same_cache, preempted
-from tests.test_serving_spec import _schedule
+from replayssm_jax.serving import engine as engine_module
+from tests.test_serving import BASE, HYBRID, MAX_PROMPT, assert_same_cache, preempted
+from tests.test_serving_spec import _schedule, _slot_view, _structure
 
 K = 2   # the looping map's period is 4: with 3 drafts, stale drafts after full accepts stay right
 DRAFTING = BASE | dict(batch_buckets=(4,))
@@ -73,12 +81,84 @@ def test_mtp_preempt_resume_is_bit_exact(model, tmp_path):
   assert_same_cache(full, resumed)
 
 
+def _head_view(model, cache, slot):
+  """``_slot_view`` plus the MTP head's KV entries before the slot's position."""
+  view = _slot_view(model, cache, slot)
+  pos = view["position"]
+  view["mtp_k"] = np.asarray(cache.mtp.kv.k[slot, :pos])
+  view["mtp_v"] = np.asarray(cache.mtp.kv.v[slot, :pos])
+  return view
+
+
+def _head_reference(model, key):
+  """``_head_view`` of one fresh prefill of ``key[:-1]`` (padded to MAX_PROMPT) whose last
+  position's next token is ``key[-1]``."""
+  tokens = key[:-1]
+  cache = model.init_cache(1, buffer_len=BASE["buffer_len"], max_len=MAX_PROMPT, mtp_drafts=K)
+  padded = np.zeros((1, MAX_PROMPT), np.int32)
+  padded[0, :len(tokens)] = tokens
+  one, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
+  prefill = engine_module._programs(*_structure(model)).prefill
+  _, cache = prefill(jax.tree.leaves(nnx.state(model)), cache, jnp.asarray(padded), zero,
+                     len(tokens) * one, zero.astype(jnp.float32), zero, resume=False, mtp=True,
+                     after=key[-1] * one)
+  return _head_view(model, cache, 0)
+
+
+def _assert_view(view, ref, what):
+  assert view["position"] == ref["position"], what
+  for name in ref:
+    np.testing.assert_allclose(view[name], ref[name], atol=1e-4, rtol=0, err_msg=f"{what}: {name}")
+
+
+def test_mtp_prefix_snapshots_are_exact(model):
+  # Given prefix caching in blocks of 4 with the MTP drafter: a 19-token prompt (block snapshots
+  # at 4 .. 16) that decodes across 20, 24 and 28 (decode snapshots),
+  config = dataclasses.replace(MTP, prefix_block=4)
+  a = [16, 17, 18, 19] * 4 + [16, 17, 18]
+  engine = Engine(model, config)
+  ra = engine.submit(a, max_new_tokens=12)
+  seen = {}
+  while not engine.idle:
+    engine.step()
+    for key, slot in engine._snapshots.items():
+      seen.setdefault(key, _head_view(model, engine.cache, slot))
+  gen_a = engine.outputs()[ra]
+  full = a + gen_a
+  # each snapshot is keyed by its covered tokens and the next one, and holds (recurrent, conv
+  # and KV state, and the head's KV entries) a fresh prefill of those tokens,
+  assert sorted(map(len, seen)) == [13, 17, 21, 25, 29]
+  for key, view in seen.items():
+    assert list(key) == full[:len(key)]
+    _assert_view(view, _head_reference(model, list(key)), f"snapshot of {len(key) - 1}")
+  # and requests admitted from them start from a whole-prompt prefill's head cache: c hits the
+  # decode snapshot at 28, e matches 24 tokens but not the 25th, so it resumes from 20,
+  c, e = full[:30], full[:24] + [7, 7]
+  rc, re = engine.submit(c, max_new_tokens=3), engine.submit(e, max_new_tokens=5)
+  engine._admit()
+  for rid, prompt in ((rc, c), (re, e)):
+    first = engine.outputs()[rid][0]
+    _assert_view(_head_view(model, engine.cache, engine.stats(rid).slot),
+                 _head_reference(model, prompt + [first]), f"request {rid} after admission")
+  out = engine.run()
+  assert (engine.stats(rc).prefix_hit_tokens, engine.stats(re).prefix_hit_tokens) == (28, 20)
+  # with a cold run's tokens.
+  cold = Engine(model, EngineConfig(**DRAFTING))
+  ca, cc, ce = (cold.submit(p, max_new_tokens=n) for p, n in ((a, 12), (c, 3), (e, 5)))
+  cold_out = cold.run()
+  assert gen_a == cold_out[ca] and out[rc] == cold_out[cc] and out[re] == cold_out[ce]
+  # A request without drafts decoding alone runs no head: its prompt block is cached (4 tokens and
+  # the next), its decode boundary (8) is not.
+  f = [3, 1, 4, 1, 5]
+  engine.submit(f, max_new_tokens=6, num_drafts=0)
+  engine.run()
+  assert [len(key) for key in engine._snapshots if key[:5] == tuple(f)] == [5]
+
+
 def test_mtp_options_the_engine_refuses(model):
   with pytest.raises(ValueError, match="drafter='mtp' with num_drafts=0"):
     EngineConfig(drafter="mtp")
   with pytest.raises(ValueError, match="drafter='beam'"):
     EngineConfig(num_drafts=2, drafter="beam")
-  with pytest.raises(NotImplementedError, match="prefix_block=4"):
-    EngineConfig(**BASE, num_drafts=2, drafter="mtp", prefix_block=4)
   with pytest.raises(ValueError, match="no multi-token-prediction head"):
     Engine(make_model(HYBRID, seed=0), MTP)

@@ -840,14 +840,17 @@ class LM(nnx.Module):
     return cache.replace(mtp=cache.mtp.replace(drafts=stored))
 
   def mtp_draft_after_prefill(self, cache: LMCache, hidden, tokens, first, slots, lengths, *,
-                              fresh=True, implementation=None) -> LMCache:
-    """``mtp_draft`` after a prefill of right-padded ``tokens`` int32[B, T] (``lengths``) from
-    position 0: position p's next token is the prompt's token p + 1, the last position's is the
-    sampled ``first`` int32[B]."""
+                              start=None, fresh=True, implementation=None) -> LMCache:
+    """``mtp_draft`` after a prefill of right-padded ``tokens`` int32[B, T] (``lengths``): lane t
+    is position ``start[b] + t`` (``start`` int32[B]; None: 0, a fresh prompt; a resumed prefill
+    passes the slots' positions before it), its next token the prompt's token t + 1, the last
+    lane's ``first`` int32[B] (the sampled token, or the prompt's next token when the prefill
+    covers one block of a longer prompt)."""
     following = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     following = following.at[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)].set(first)
-    return self.mtp_draft(cache, hidden, following, slots, jnp.zeros_like(lengths), lengths,
-                          fresh=fresh, implementation=implementation)
+    start = jnp.zeros_like(lengths) if start is None else start
+    return self.mtp_draft(cache, hidden, following, slots, start, lengths, fresh=fresh,
+                          implementation=implementation)
 
   def copy_slots(self, cache: LMCache, src, dst) -> LMCache:
     """Every layer's cache and the slot state of ``src[i]`` → ``dst[i]`` (prefix snapshots).
