@@ -6,7 +6,7 @@ drafts hit).
 * Greedy requests get the tokens of the engine without drafting — synchronous and overlapped
   steps, requests asking for 0 and 1 drafts sharing the steps, a sampled 1-token lane its sampled
   tokens — and the head's drafts are accepted.
-* Preempt → resume continues bit for bit (the head's KV cache and pending drafts travel in the
+* Preempt → resume continues bit for bit, with and without prefix caching (the head's KV cache and pending drafts travel in the
   cache).
 * Prefix caching: every snapshot (prompt blocks, decode boundaries) holds the head's KV entries of
   a fresh prefill of its key (the covered tokens and the one after them); requests that hit a
@@ -67,16 +67,20 @@ def test_mtp_drafting_gives_the_plain_tokens(model, plain, overlap):
   assert stats[1].drafted_tokens == 0 and 0 < stats[2].drafted_tokens <= NEW[2] - 1
 
 
-def test_mtp_preempt_resume_is_bit_exact(model, tmp_path):
+@pytest.mark.filterwarnings("ignore:prefix caching is on")
+@pytest.mark.parametrize("prefix_block", [0, 4], ids=["no_prefix_cache", "prefix_cache"])
+def test_mtp_preempt_resume_is_bit_exact(model, tmp_path, prefix_block):
+  config = dataclasses.replace(MTP, prefix_block=prefix_block)
+
   def start():
-    engine = Engine(model, MTP)
+    engine = Engine(model, config)
     for i in range(4):
       engine.submit(PROMPTS[i], max_new_tokens=NEW[i] + 4, request_id=f"r{i}", num_drafts=DRAFTS[i],
                     **SUBMIT.get(i, {}))
     return engine
 
   full, expected, _, resumed = preempted(start, 3, tmp_path / "ckpt")
-  assert resumed.config == MTP
+  assert resumed.config == config
   assert resumed.run() == expected
   assert_same_cache(full, resumed)
 
