@@ -6,8 +6,8 @@ drafts hit).
 * Greedy requests get the tokens of the engine without drafting — synchronous and overlapped
   steps, requests asking for 0 and 1 drafts sharing the steps, a sampled 1-token lane its sampled
   tokens — and the head's drafts are accepted.
-* Preempt → resume continues bit for bit, with and without prefix caching (the head's KV cache and pending drafts travel in the
-  cache).
+* Preempt → resume continues bit for bit, with and without prefix caching (the head's KV cache
+  and pending drafts travel in the cache).
 * Prefix caching: every snapshot (prompt blocks, decode boundaries) holds the head's KV entries of
   a fresh prefill of its key (the covered tokens and the one after them); requests that hit a
   snapshot — or miss one because their next token differs — start with the head's KV cache of a
