@@ -73,7 +73,7 @@ ARMS = {"decode-replay": (None, True, False, False), "decode-conv": (None, False
         "decode-replay-overlap-copy": (None, True, True, True),
         "spec-replay-copy": ("ngram", True, False, True),
         "spec-replay-overlap-copy": ("ngram", True, True, True),
-        "spec-mtp-overlap": ("mtp", True, True, False),
+        "spec-mtp": ("mtp", True, False, False), "spec-mtp-overlap": ("mtp", True, True, False),
         "spec-mtp-conv-overlap": ("mtp", False, True, False)}
 DEFAULT_ARMS = ("decode-replay", "decode-conv", "spec-replay", "spec-conv")
 

@@ -75,15 +75,18 @@ def test_engine_spec_read_copy_smoke():
 
 
 def test_engine_spec_prefix_caching_smoke():
-  # With prefix caching on prompts that share their first half, the overlapped decode arm emits
-  # the synchronous arm's tokens, and the snapshots serve every request after the first.
+  # With prefix caching on prompts that share their first half, the overlapped decode arm and the
+  # MTP drafting arm (synchronous) emit the synchronous decode arm's tokens, and the snapshots
+  # serve every request after the first.
   out = engine_spec.main(["--smoke", "--prompts", "shared", "--prefix-block", "4", "--arms",
-                          "decode-replay,decode-replay-overlap"])
+                          "decode-replay,decode-replay-overlap,spec-mtp"])
   rows = out["result"]["rows"]
   assert [(r["arm"], r["overlapped"]) for r in rows] == [("decode-replay", False),
-                                                         ("decode-replay-overlap", True)]
+                                                         ("decode-replay-overlap", True),
+                                                         ("spec-mtp", False)]
   assert all(r["identical_to_baseline"] == 1.0 and r["prefix_block"] == 4 for r in rows)
-  assert [r["prefix_hit_tokens"] for r in rows] == [4, 4]   # B = 2, 6 shared tokens: one block
+  # B = 2, 6 shared tokens: one block (with the MTP head, its key's fifth token is shared too)
+  assert [r["prefix_hit_tokens"] for r in rows] == [4, 4, 4]
   with pytest.raises(SystemExit):    # one line on stderr: "--shared-len 13; expected 0 to ..."
     engine_spec.main(["--smoke", "--prompts", "shared", "--shared-len", "13"])
   with pytest.raises(ValueError, match="--shared-len 13; expected 0 to --prompt-len = 12"):
