@@ -8,10 +8,10 @@ drafts hit).
   tokens — and the head's drafts are accepted.
 * Preempt → resume continues bit for bit, with and without prefix caching (the head's KV cache
   and pending drafts travel in the cache).
-* Prefix caching: every snapshot (prompt blocks, decode boundaries) holds the head's KV entries of
-  a fresh prefill of its key (the covered tokens and the one after them); requests that hit a
-  snapshot — or miss one because their next token differs — start with the head's KV cache of a
-  whole-prompt prefill, and get a cold run's tokens.
+* Prefix caching: every snapshot (prompt blocks, decode boundaries) holds the head's KV entries
+  and last hidden state of a fresh prefill of its key tokens; requests that hit one — also where
+  their next token differs from the one that followed in the snapshot's sequence — start with the
+  head's cache of a whole-prompt prefill, and get a cold run's tokens.
 * Options the engine cannot serve raise.
 """
 import dataclasses
@@ -85,28 +85,27 @@ def test_mtp_preempt_resume_is_bit_exact(model, tmp_path, prefix_block):
   assert_same_cache(full, resumed)
 
 
-def _head_view(model, cache, slot):
-  """``_slot_view`` plus the MTP head's KV entries before the slot's position."""
+def _head_view(model, cache, slot, *, last_entry=True):
+  """``_slot_view`` plus the MTP head's KV entries before the slot's position (``last_entry``
+  False: but the last, which read the token after the covered ones) and its last hidden state."""
   view = _slot_view(model, cache, slot)
-  pos = view["position"]
-  view["mtp_k"] = np.asarray(cache.mtp.kv.k[slot, :pos])
-  view["mtp_v"] = np.asarray(cache.mtp.kv.v[slot, :pos])
+  end = view["position"] - (0 if last_entry else 1)
+  view["mtp_k"] = np.asarray(cache.mtp.kv.k[slot, :end])
+  view["mtp_v"] = np.asarray(cache.mtp.kv.v[slot, :end])
+  view["mtp_last_hidden"] = np.asarray(cache.mtp.last_hidden[slot])
   return view
 
 
-def _head_reference(model, key):
-  """``_head_view`` of one fresh prefill of ``key[:-1]`` (padded to MAX_PROMPT) whose last
-  position's next token is ``key[-1]``."""
-  tokens = key[:-1]
+def _head_reference(model, tokens, *, last_entry=True):
+  """``_head_view`` of one fresh prefill of ``tokens`` (padded to MAX_PROMPT) with the head."""
   cache = model.init_cache(1, buffer_len=BASE["buffer_len"], max_len=MAX_PROMPT, mtp_drafts=K)
   padded = np.zeros((1, MAX_PROMPT), np.int32)
   padded[0, :len(tokens)] = tokens
   one, zero = jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
   prefill = engine_module._programs(*_structure(model)).prefill
   _, cache = prefill(jax.tree.leaves(nnx.state(model)), cache, jnp.asarray(padded), zero,
-                     len(tokens) * one, zero.astype(jnp.float32), zero, resume=False, mtp=True,
-                     after=key[-1] * one)
-  return _head_view(model, cache, 0)
+                     len(tokens) * one, zero.astype(jnp.float32), zero, resume=False, mtp=True)
+  return _head_view(model, cache, 0, last_entry=last_entry)
 
 
 def _assert_view(view, ref, what):
@@ -126,37 +125,36 @@ def test_mtp_prefix_snapshots_are_exact(model):
   while not engine.idle:
     engine.step()
     for key, slot in engine._snapshots.items():
-      seen.setdefault(key, _head_view(model, engine.cache, slot))
+      seen.setdefault(key, _head_view(model, engine.cache, slot, last_entry=False))
   gen_a = engine.outputs()[ra]
   full = a + gen_a
-  # each snapshot is keyed by its covered tokens and the next one, and holds (recurrent, conv
-  # and KV state, and the head's KV entries) a fresh prefill of those tokens,
-  assert sorted(map(len, seen)) == [13, 17, 21, 25, 29]
+  # each snapshot holds (recurrent, conv and KV state, the head's KV entries but the last, and
+  # its last hidden state) a fresh prefill of its key tokens,
+  assert sorted(map(len, seen)) == [12, 16, 20, 24, 28]
   for key, view in seen.items():
-    assert list(key) == full[:len(key)]
-    _assert_view(view, _head_reference(model, list(key)), f"snapshot of {len(key) - 1}")
+    _assert_view(view, _head_reference(model, list(key), last_entry=False), f"snapshot of {len(key)}")
   # and requests admitted from them start from a whole-prompt prefill's head cache: c hits the
-  # decode snapshot at 28, e matches 24 tokens but not the 25th, so it resumes from 20,
+  # decode snapshot at 28, e the one at 24, after which its token differs from a's (the head's
+  # entry at 23 is rewritten),
   c, e = full[:30], full[:24] + [7, 7]
   rc, re = engine.submit(c, max_new_tokens=3), engine.submit(e, max_new_tokens=5)
   engine._admit()
-  for rid, prompt in ((rc, c), (re, e)):
-    first = engine.outputs()[rid][0]
+  for rid, prompt in ((rc, c), (re, e)):   # (both last entries read the greedy first token)
     _assert_view(_head_view(model, engine.cache, engine.stats(rid).slot),
-                 _head_reference(model, prompt + [first]), f"request {rid} after admission")
+                 _head_reference(model, prompt), f"request {rid} after admission")
   out = engine.run()
-  assert (engine.stats(rc).prefix_hit_tokens, engine.stats(re).prefix_hit_tokens) == (28, 20)
+  assert (engine.stats(rc).prefix_hit_tokens, engine.stats(re).prefix_hit_tokens) == (28, 24)
   # with a cold run's tokens.
   cold = Engine(model, EngineConfig(**DRAFTING))
   ca, cc, ce = (cold.submit(p, max_new_tokens=n) for p, n in ((a, 12), (c, 3), (e, 5)))
   cold_out = cold.run()
   assert gen_a == cold_out[ca] and out[rc] == cold_out[cc] and out[re] == cold_out[ce]
-  # A request without drafts decoding alone runs no head: its prompt block is cached (4 tokens and
-  # the next), its decode boundary (8) is not.
+  # A request without drafts decoding alone runs no head: its prompt block (4) is cached, its
+  # decode boundary (8) is not.
   f = [3, 1, 4, 1, 5]
   engine.submit(f, max_new_tokens=6, num_drafts=0)
   engine.run()
-  assert [len(key) for key in engine._snapshots if key[:5] == tuple(f)] == [5]
+  assert [len(key) for key in engine._snapshots if key[:4] == tuple(f[:4])] == [4]
 
 
 def test_mtp_options_the_engine_refuses(model):

@@ -497,7 +497,8 @@ class LM(nnx.Module):
         raise ValueError(f"mtp_drafts={mtp_drafts} but the model has no MTP head "
                          f"(LMConfig.mtp_layers=0)")
       mtp = MTPCache(kv=self.mtp.block.mixer.init_cache(num_slots, max_len + mtp_drafts, dtype=kv_dtype),
-                     drafts=jnp.zeros((num_slots, mtp_drafts), jnp.int32))
+                     drafts=jnp.zeros((num_slots, mtp_drafts), jnp.int32),
+                     last_hidden=jnp.zeros((num_slots, self.config.hidden_size), self.config.dtype))
     if not verify_stacks:
       return LMCache(layers=tuple(layers), cursor=cursor, positions=positions, mtp=mtp)
     stacks = tuple(None if isinstance(lc, AttentionLayerCache) else
@@ -820,15 +821,20 @@ class LM(nnx.Module):
     drafter keeps ``sampling.speculative_sample``'s rejection sampling exact).
 
     Returns:
-      cache with ``mtp.drafts[slots[b]]`` set on live rows (count[b] >= 1).
+      cache with ``mtp.drafts[slots[b]]`` and ``mtp.last_hidden[slots[b]]`` (the hidden state at
+      the last covered position) set on live rows (count[b] >= 1).
     """
     t = hidden.shape[1]
     live = slots >= 0
     valid = (jnp.arange(t, dtype=jnp.int32)[None, :] < count[:, None]) & live[:, None]
+    last = jnp.maximum(count - 1, 0)[:, None, None]
+    last_hidden = _slots.scatter_rows(
+        cache.mtp.last_hidden, slots,
+        jnp.take_along_axis(hidden, last, axis=1)[:, 0].astype(cache.mtp.last_hidden.dtype))
     m, cache = self._mtp_hidden(hidden, next_tokens, cache, slots, start, valid, fresh=fresh,
                                 implementation=implementation)
     # Only the last covered position drafts: the head (B·V·D) runs on that lane alone.
-    m = jnp.take_along_axis(m, jnp.maximum(count - 1, 0)[:, None, None], axis=1)      # [B, 1, D]
+    m = jnp.take_along_axis(m, last, axis=1)                                          # [B, 1, D]
     draft = jnp.argmax(self._logits(m), axis=-1).astype(jnp.int32)                   # [B, 1]
     drafts = [draft]
     for j in range(1, cache.mtp.num_drafts):
@@ -837,19 +843,30 @@ class LM(nnx.Module):
       draft = jnp.argmax(self._logits(m), axis=-1).astype(jnp.int32)
       drafts.append(draft)
     stored = _slots.scatter_rows(cache.mtp.drafts, slots, jnp.concatenate(drafts, axis=1))
-    return cache.replace(mtp=cache.mtp.replace(drafts=stored))
+    return cache.replace(mtp=cache.mtp.replace(drafts=stored, last_hidden=last_hidden))
 
   def mtp_draft_after_prefill(self, cache: LMCache, hidden, tokens, first, slots, lengths, *,
-                              start=None, fresh=True, implementation=None) -> LMCache:
-    """``mtp_draft`` after a prefill of right-padded ``tokens`` int32[B, T] (``lengths``): lane t
-    is position ``start[b] + t`` (``start`` int32[B]; None: 0, a fresh prompt; a resumed prefill
-    passes the slots' positions before it), its next token the prompt's token t + 1, the last
-    lane's ``first`` int32[B] (the sampled token, or the prompt's next token when the prefill
-    covers one block of a longer prompt)."""
+                              resume=False, implementation=None) -> LMCache:
+    """``mtp_draft`` after ``prefill`` of right-padded ``tokens`` int32[B, T] (``lengths``, the
+    cache the prefill returned): each prompt position with the prompt's next token, the last one
+    with the sampled ``first`` int32[B].
+
+    ``resume``: the prefill continued the slots' sequences (``prefill(resume=True)``, each slot
+    covering at least one token before it). The head then starts one position earlier, at the
+    slot's last covered position p, from ``mtp.last_hidden`` and the prompt's first token: the
+    entry at p may have read another token (a prefix snapshot's sequence went on differently, a
+    prompt block's prefill had only a sampled guess).
+    """
+    if resume:
+      prev = _slots.gather(cache.mtp.last_hidden, slots)[:, None].astype(hidden.dtype)  # [B, 1, D]
+      hidden = jnp.concatenate([prev, hidden], axis=1)
+      tokens = jnp.concatenate([jnp.zeros_like(tokens[:, :1]), tokens], axis=1)
+      lengths = lengths + 1
     following = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     following = following.at[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)].set(first)
-    start = jnp.zeros_like(lengths) if start is None else start
-    return self.mtp_draft(cache, hidden, following, slots, start, lengths, fresh=fresh,
+    # Lane 0's position: the slot's position after the prefill less the lanes.
+    start = jnp.where(slots >= 0, self._start(cache, slots) - lengths, 0)
+    return self.mtp_draft(cache, hidden, following, slots, start, lengths, fresh=not resume,
                           implementation=implementation)
 
   def copy_slots(self, cache: LMCache, src, dst) -> LMCache:
@@ -880,7 +897,8 @@ class LM(nnx.Module):
     out = cache.replace(layers=tuple(layers), cursor=cursor, positions=copy_rows(cache.positions))
     if cache.mtp is not None:
       kv = AttentionLayerCache(k=copy_rows(cache.mtp.kv.k), v=copy_rows(cache.mtp.kv.v))
-      out = out.replace(mtp=MTPCache(kv=kv, drafts=copy_rows(cache.mtp.drafts)))
+      out = out.replace(mtp=MTPCache(kv=kv, drafts=copy_rows(cache.mtp.drafts),
+                                     last_hidden=copy_rows(cache.mtp.last_hidden)))
     if cache.stacks is None:
       return out
     return out.replace(stacks=tuple(None if st is None else copy_rows(st) for st in cache.stacks),

@@ -38,9 +38,14 @@ class MTPCache:
       drafts, for the chain's entries past a full sequence).
     drafts: int32[N, k]: each slot's pending drafts, made after its last step (the tokens the
       next verify step checks).
+    last_hidden: [N, D] each slot's final-normed hidden state g_p at its last covered position p
+      (model dtype). A prefill that resumes the slot's sequence rewrites the head's entry at p
+      from it and the prompt's first token: a prefix snapshot's entry there read the token that
+      followed in the sequence it was taken from.
   """
   kv: AttentionLayerCache
   drafts: jax.Array
+  last_hidden: jax.Array
 
   @property
   def num_drafts(self) -> int:

@@ -48,10 +48,10 @@ of accepted drafts that ends on a boundary is snapshotted with its ring window (
 copies checkpoint, ring and cursor, so that snapshot is exact too). A later request whose prompt
 starts with a cached prefix (at least one token must remain to produce logits) copies the snapshot
 into its slot and prefills only the rest. Snapshots are evicted least-recently-used. With the MTP
-drafter a snapshot also holds the head's KV cache, whose entry at the last covered position p
-read token p + 1: its key is the covered tokens plus that one (a prompt must match it too), each
-prompt block's prefill runs the head with the next block's first token, and decode boundaries are
-snapshotted only for drafting requests (the others' plain decode steps skip the head). If caching is
+drafter a snapshot also holds the head's KV cache and the hidden state at its last covered
+position, from which a resumed prefill rewrites the head's entry there with the prompt's own next
+token (``LM.mtp_draft_after_prefill(resume=True)``); decode boundaries are snapshotted only for
+drafting requests (the others' plain decode steps skip the head). If caching is
 on, prompts were looked up, and nothing ever hit, ``run()`` warns (``RuntimeWarning`` + log).
 
 Preemption: ``preempt(directory)`` writes params and cache with Orbax (a synchronous ``Checkpointer``)
@@ -130,8 +130,8 @@ class EngineConfig:
       prediction head (``models.mtp``; a Qwen3.5 / Qwen3-Next checkpoint's ``mtp.*``), which
       drafts on the device after every prefill and verify step from the model's hidden states
       (greedy drafts, kept per slot in ``LMCache.mtp``). "mtp" needs ``num_drafts >= 1`` and a
-      model with ``mtp_layers``; with prefix caching, snapshots carry the head's KV cache (see
-      the module docstring).
+      model with ``mtp_layers``; with prefix caching, snapshots carry the head's cache (see the
+      module docstring).
     ngram: n-gram length the n-gram drafter matches.
     prefill_tokens: token budget of one prefill (without prefix caching): the requests a step
       admits go through the prefill in groups of R = max(1, min(max_running, prefill_tokens //
@@ -303,23 +303,19 @@ def _merge(graphdef, treedef, leaves) -> LM:
 
 
 def _prefill_impl(graphdef, treedef, leaves, cache, tokens, slots, lengths, temps, seeds, *, resume,
-                  mtp=False, after=None):
+                  mtp=False):
   """First tokens of right-padded prompts; with ``mtp`` the head's KV entries and drafts after
-  them too (each prefilled position with the token after it: the prompt's next, then ``after``
-  int32[B] where >= 0 — the next block's first token when the prefill is one block of a longer
-  prompt — else the first token)."""
+  them too (``LM.mtp_draft_after_prefill``)."""
   model = _merge(graphdef, treedef, leaves)
   last_at = jnp.maximum(lengths - 1, 0)
   if not mtp:
     last, cache = model.prefill(tokens, cache, slots, lengths, resume=resume, logits_at=last_at)
     return sampling.sample(last, temps, sampling.seed_keys(seeds), jnp.zeros_like(seeds)), cache
-  start = model._start(cache, slots) if resume else jnp.zeros_like(lengths)
   last, cache, hidden = model.prefill(tokens, cache, slots, lengths, resume=resume, logits_at=last_at,
                                       return_hidden=True)
   first = sampling.sample(last, temps, sampling.seed_keys(seeds), jnp.zeros_like(seeds))
-  following = first if after is None else jnp.where(after >= 0, after, first)
-  return first, model.mtp_draft_after_prefill(cache, hidden, tokens, following, slots, lengths,
-                                              start=start, fresh=not resume)
+  return first, model.mtp_draft_after_prefill(cache, hidden, tokens, first, slots, lengths,
+                                              resume=resume)
 
 
 def _decode_impl(graphdef, treedef, leaves, cache, tokens, slots, force, temps, seeds, positions, *,
@@ -642,10 +638,9 @@ class Engine:
     block, start = cfg.prefix_block, 0
     self.prefix_lookups += 1
     for k in range((len(p) - 1) // block * block, 0, -block):
-      key = self._snapshot_key(p, k)
-      hit = self._snapshots.get(key)
+      hit = self._snapshots.get(tuple(p[:k]))
       if hit is not None:
-        self._snapshots.move_to_end(key)
+        self._snapshots.move_to_end(tuple(p[:k]))
         self._cache = self._programs.copy(self._leaves, self._cache, jnp.array([hit], jnp.int32),
                                           slots)
         self.prefix_hits += 1
@@ -653,34 +648,22 @@ class Engine:
         break
     tok = None
     for s in range(start, len(p), block):
-      end = s + block
-      tok = self._prefill_chunk(p[s:end], block, slots, temps, seeds, resume=s > 0,
-                                after=p[end] if end < len(p) else -1)
-      if end <= len(p):
-        self._snapshot(r.slot, p + [tok], end)
+      tok = self._prefill_chunk(p[s:s + block], block, slots, temps, seeds, resume=s > 0)
+      if s + block <= len(p):
+        self._snapshot(r.slot, p[:s + block])
     return tok
 
-  def _prefill_chunk(self, tokens, width, slots, temps, seeds, *, resume, after) -> int:
-    """One block of a prompt (``after``: the prompt's token after it, -1 at the prompt's end;
-    with the MTP head it is the last position's next token, else unused)."""
+  def _prefill_chunk(self, tokens, width, slots, temps, seeds, *, resume) -> int:
     toks = self._rows(tokens, width, PAD_TOKEN, np.int32)[None]
-    extra = dict(mtp=True, after=jnp.array([after], jnp.int32)) if self._mtp else {}
     tok, self._cache = self._programs.prefill(self._leaves, self._cache, toks, slots,
                                               jnp.array([len(tokens)], jnp.int32), temps, seeds,
-                                              resume=resume, **extra)
+                                              resume=resume, mtp=self._mtp)
     return int(tok[0])
 
-  def _snapshot_key(self, seq, covered: int) -> tuple:
-    """The prefix-cache key of a state covering the first ``covered`` tokens of ``seq``: those
-    tokens, and with the MTP head the token after them too (the head's KV entry at the last
-    covered position reads it; a prompt whose next token differs cannot reuse that entry)."""
-    return tuple(seq[:covered + (1 if self._mtp else 0)])
-
-  def _snapshot(self, slot: int, seq, covered: int) -> None:
-    """Copies ``slot``, whose state covers the first ``covered`` tokens of ``seq``, into a prefix
-    slot keyed by ``_snapshot_key`` (LRU eviction)."""
-    key = self._snapshot_key(seq, covered)
-    if key in self._snapshots or covered >= self.max_prompt_len:
+  def _snapshot(self, slot: int, prefix) -> None:
+    """Copies ``slot`` into a prefix slot keyed by ``prefix`` (LRU eviction)."""
+    key = tuple(prefix)
+    if key in self._snapshots or len(key) >= self.max_prompt_len:
       return  # already cached, or no prompt could extend it
     if not self._free_snapshots:
       _, evicted = self._snapshots.popitem(last=False)
@@ -707,7 +690,7 @@ class Engine:
     if self._mtp and not r.num_drafts:
       return False
     return (self._at_boundary(n)
-            and self._snapshot_key(r.prompt + r.generated + list(run), n) not in self._snapshots)
+            and tuple((r.prompt + r.generated + list(run))[:n]) not in self._snapshots)
 
   def _snapshot_step(self, step: "_InFlight | _InFlightVerify | None") -> None:
     """Snapshots the rows of a dispatched decode step whose state then sits on a block boundary
@@ -719,7 +702,7 @@ class Engine:
     for r, ok, n in zip(step.reqs, step.live, step.covered):
       if ok and not r.done and self._snapshot_due(r, n):
         assert len(r.prompt) + len(r.generated) >= n, (r.rid, n)
-        self._snapshot(r.slot, r.prompt + r.generated, n)
+        self._snapshot(r.slot, (r.prompt + r.generated)[:n])
 
   def _draft_count(self, r: _Request, n: int) -> int:
     """Drafts row r verifies this step (its state covers its first n - 1 tokens; token 0 is the
@@ -782,7 +765,7 @@ class Engine:
     for r, n, run in zip(reqs, lens, runs):
       covered = n - 1 + len(run)          # the state covers token 0 and the accepted drafts
       if self._snapshot_due(r, covered, run):
-        self._snapshot(r.slot, r.prompt + r.generated + run, covered)
+        self._snapshot(r.slot, (r.prompt + r.generated + run)[:covered])
     finished = []
     for r, d, run in zip(reqs, drafts, runs):
       r.drafted += len(d)
