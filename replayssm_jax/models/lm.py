@@ -31,10 +31,10 @@ commit (the ring rollback), the conv-state rewind of every recurrent layer and t
 advance (the KV rollback: entries past a slot's position are never read).
 
 Multi-token prediction (Qwen3.5 / Qwen3-Next checkpoints, ``LMConfig.mtp_layers``): ``lm.mtp``
-is the checkpoint's MTP head (``models.mtp``); ``init_cache(mtp_drafts=k)`` adds its KV cache and k
-pending drafts per slot (``LMCache.mtp``), ``prefill`` / ``verify`` return the final-normed hidden
-states it reads (``return_hidden``), and ``mtp_draft`` writes its entries for a step's covered
-positions and chains k greedy drafts.
+is the checkpoint's MTP head (``models.mtp``); ``init_cache(mtp_drafts=k)`` adds its KV cache, k
+pending drafts and the last hidden state per slot (``LMCache.mtp``), ``prefill`` / ``verify``
+return the final-normed hidden states it reads (``return_hidden``), and ``mtp_draft`` writes its
+entries for a step's covered positions and chains k greedy drafts.
 
 Conventional speculative verify (the baseline): a cache made with ``init_cache(verify_stacks=True)``
 keeps each recurrent layer's state in a stack ``[N, T_max, ...]`` (``LMCache.stacks``, T_max =
@@ -292,7 +292,7 @@ class LMCache:
       output), None for attention.
     read_index: None, or int32[N] with ``stacks``: the stack entry holding each slot's state.
     mtp: None, or (``init_cache(mtp_drafts=k)``) the MTP head's ``MTPCache``: its KV cache
-      (positions shared with the model's) and each slot's k pending drafts.
+      (positions shared with the model's), each slot's k pending drafts and last hidden state.
   """
   layers: tuple
   cursor: ReplayCursor

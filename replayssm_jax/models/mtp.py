@@ -14,7 +14,9 @@ Chained drafts feed the head's own m_p back as the next position's hidden: after
 positions < n and emitted x_n, the head at position n − 1 (g_{n−1}, x_n) guesses d_1 ≈ x_{n+1},
 then at position n (m_{n−1}, d_1) guesses d_2, and so on. The head's KV entry at position p holds
 (g_p, x_{p+1}) once both are known; the chain's entries past the sequence are overwritten before
-anything reads them, as rejected drafts' are in the model's own attention layers.
+anything reads them, as rejected drafts' are in the model's own attention layers. g at the last
+covered position is kept per slot, so a prefill that continues the sequence (a prefix-cache hit)
+rewrites that entry with the token it actually continues with.
 
 transformers does not build the head (it drops ``mtp.*`` tensors); vLLM and SGLang run it as above
 (vLLM's ``qwen3_5_mtp.py``). The parity test composes transformers' own decoder layer, RMSNorm and
