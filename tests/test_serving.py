@@ -7,9 +7,11 @@ a GatedDeltaNet LM and a hybrid of GatedDeltaNet, attention (KV cache) and MoE l
 * Preempt → Orbax checkpoint → resume continues bit for bit (tokens and every cache array).
 * Prefix caching: a hit on a prompt-block snapshot and on a decode-boundary snapshot (forced
   flush: the snapshot's ring window is empty) gives the tokens of a cold run; a cache that never
-  hits warns; bad prompts, sampling options, configs and damaged checkpoints raise ValueError.
+  hits warns; bad prompts, sampling options, configs and damaged or mismatched checkpoints raise
+  ValueError.
 """
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -338,6 +340,18 @@ def test_resume_of_a_damaged_directory_names_the_file(tmp_path):
     Engine.resume(tmp_path)
   (tmp_path / "engine.json").write_text('{"model_config": {"vocab_size": 3}}')
   with pytest.raises(ValueError, match=r"engine.json is not a valid engine state"):
+    Engine.resume(tmp_path)
+
+
+def test_resume_of_a_cache_that_does_not_match_its_config_says_so(model, tmp_path):
+  engine = Engine(model, CFG)
+  engine.submit([1, 2, 3], max_new_tokens=2)
+  engine.preempt(tmp_path)
+  state = json.loads((tmp_path / "engine.json").read_text())
+  state["engine_config"]["buffer_len"] = 8     # rings of another length than those saved
+  (tmp_path / "engine.json").write_text(json.dumps(state))
+  with pytest.raises(ValueError, match="the saved params and cache do not match the model and "
+                                       "engine config of its engine.json"):
     Engine.resume(tmp_path)
 
 

@@ -954,11 +954,16 @@ class Engine:
     abstract = nnx.eval_shape(lambda: LM(model_config, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-      params = ckptr.restore(path / "params", args=ocp.args.StandardRestore(abstract_params))
-      model = nnx.merge(graphdef, params)
-      max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
-      abstract_cache = jax.eval_shape(lambda: _init_cache(model, config, max_seq_len))
-      cache = ckptr.restore(path / "cache", args=ocp.args.StandardRestore(abstract_cache))
+      try:
+        params = ckptr.restore(path / "params", args=ocp.args.StandardRestore(abstract_params))
+        model = nnx.merge(graphdef, params)
+        max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
+        abstract_cache = jax.eval_shape(lambda: _init_cache(model, config, max_seq_len))
+        cache = ckptr.restore(path / "cache", args=ocp.args.StandardRestore(abstract_cache))
+      except (FileNotFoundError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: the saved params and cache do not match the model and engine "
+                         f"config of its engine.json (written by another version of "
+                         f"replayssm_jax?): {type(e).__name__}: {e}") from None
     engine = cls(model, config, _cache=cache)
     engine._requests = requests
     engine._waiting = collections.deque(waiting)
