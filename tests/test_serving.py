@@ -158,13 +158,11 @@ def test_overlapped_steps_emit_the_same_tokens(model, solo, tmp_path, monkeypatc
   assert resumed.run() == expected
 
 
-def test_overlap_is_the_default_except_for_drafting_with_prefix_caching():
+def test_overlap_is_the_default():
   assert OVERLAP.overlapped and not CFG.overlapped and PREFIX.overlapped
   assert EngineConfig(**BASE, num_drafts=2).overlapped
-  assert not EngineConfig(**BASE, prefix_block=8, num_drafts=2).overlapped
+  assert EngineConfig(**BASE, prefix_block=8, num_drafts=2).overlapped
   assert not EngineConfig(**BASE, overlap=False, num_drafts=2).overlapped
-  with pytest.raises(NotImplementedError, match="overlap=True with prefix_block=8 and num_drafts=2"):
-    EngineConfig(**BASE, overlap=True, prefix_block=8, num_drafts=2)
   with pytest.raises(ValueError, match="overlap=1; expected None or a bool"):
     EngineConfig(**BASE, overlap=1)
 

@@ -232,26 +232,44 @@ def _reference_view(model, tokens):
   return _slot_view(model, cache, 0)
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["replay", "conventional"])
-def test_prefix_snapshots_with_drafting_are_exact(model, replay):
-  # Given prefix caching in blocks of 4 with drafting (3 snapshot slots, LRU): a 19-token prompt
-  # (snapshots at 4 .. 16) that decodes across 20, 24 and 28 (decode snapshots),
-  config = EngineConfig(**DRAFTING, prefix_block=4, num_drafts=K, replay=replay)
-  a = [16, 17, 18, 19] * 4 + [16, 17, 18]               # both models' streams continue the cycle
+def _snapshots_of_a_drafting_run(model, prompt, *, replay, overlap, num_drafts=K):
+  """Runs ``prompt`` (12 new tokens) through an engine drafting ``num_drafts`` with prefix caching
+  in blocks of 4; returns (engine, request id, {key: _slot_view of each snapshot when first seen after a
+  step}, [ring window length of each decode snapshot])."""
+  config = EngineConfig(**DRAFTING, prefix_block=4, num_drafts=num_drafts, replay=replay,
+                        overlap=overlap)
   engine = Engine(model, config)
-  ra = engine.submit(a, max_new_tokens=12)
+  rid = engine.submit(prompt, max_new_tokens=12)
   seen, kinds = {}, []
   while not engine.idle:
     engine.step()
     for key, slot in engine._snapshots.items():
       if key not in seen:
         seen[key] = _slot_view(model, engine.cache, slot)
-        if len(key) > len(a):
+        if len(key) > len(prompt):
           kinds.append(int(engine.cache.cursor.count[slot]))
+  return engine, rid, seen, kinds
+
+
+@pytest.mark.parametrize("replay,overlap", [(True, False), (False, False), (True, True)],
+                         ids=["replay", "conventional", "replay_overlapped"])
+def test_prefix_snapshots_with_drafting_are_exact(model, replay, overlap):
+  # Given prefix caching in blocks of 4 with drafting (3 snapshot slots, LRU): a 19-token prompt
+  # (snapshots at 4 .. 16) that decodes across 20, 24 and 28 (decode snapshots), with
+  # synchronous or overlapped steps (the device holds a row that reaches a boundary for a step),
+  a = [16, 17, 18, 19] * 4 + [16, 17, 18]               # both models' streams continue the cycle
+  engine, ra, seen, kinds = _snapshots_of_a_drafting_run(model, a, replay=replay, overlap=overlap)
   gen_a = engine.outputs()[ra]
-  # every snapshot seen after a step (the first step prefills and decodes: 4 and 8 are evicted
-  # in it) equals, when it was made, a prefill of its key tokens,
-  assert sorted(map(len, seen)) == [12, 16, 20, 24, 28]
+  # every snapshot seen after a step (a synchronous first step prefills and decodes: 4 and 8 are
+  # evicted in it; an overlapped one only dispatches its decode) equals, when it was made, a
+  # prefill of its key tokens — overlapped, with the ring windows of the synchronous run's (the
+  # device cuts drafts and forces flushes as the host does; with 1 draft, where a forced flush is
+  # not also the T = 4 lane's natural one at L = 4),
+  assert sorted(map(len, seen)) == [8, 12, 16, 20, 24, 28][0 if overlap else 1:]
+  if overlap:
+    windows = [_snapshots_of_a_drafting_run(model, a, replay=replay, overlap=o, num_drafts=1)[3]
+               for o in (False, True)]
+    assert windows[0] == windows[1] and min(windows[0]) == 0 < max(windows[0]), windows
   for key, view in seen.items():
     ref = _reference_view(model, list(key))
     assert view["position"] == ref["position"] == len(key)
@@ -277,9 +295,10 @@ def test_prefix_snapshots_with_drafting_are_exact(model, replay):
 
 
 @pytest.mark.filterwarnings("ignore:prefix caching is on")
-def test_preempt_resume_with_drafting_is_bit_exact(model, plain, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+def test_preempt_resume_with_drafting_is_bit_exact(model, plain, tmp_path, overlap):
   # Given drafting, prefix caching and a sampled drafting request (r2),
-  config = EngineConfig(**DRAFTING, prefix_block=4, num_drafts=K)
+  config = EngineConfig(**DRAFTING, prefix_block=4, num_drafts=K, overlap=overlap)
   sampled = dict(temperature=8.0, seed=7, num_drafts=K)
 
   def start():

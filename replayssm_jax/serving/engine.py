@@ -60,8 +60,7 @@ plus the host scheduler state (requests, slots, snapshots, clocks) as JSON and c
 see the same arrays (the drafters are rebuilt from each request's tokens: they are a function of
 them).
 
-Overlapped steps (the default, except for drafting with prefix caching; ``overlap=False`` turns
-them off): a step is dispatched before the host reads the tokens of the one before, from those
+Overlapped steps (the default; ``overlap=False`` turns them off): a step is dispatched before the host reads the tokens of the one before, from those
 tokens on the device, so the host's work (reading tokens, stop and length checks, bookkeeping) runs
 while the device computes the next step. While requests wait for a slot, the engine collects first
 and admits as usual. A row that reaches ``max_new_tokens`` in the step in flight is a padding row
@@ -73,8 +72,12 @@ makes a row that reached its budget a padding row (no stop-token list on the dev
 would vary with the requests). Tokens and drafts are those of synchronous steps; ``step()`` reports
 a request finished one call later. With prefix caching a row's decode-boundary snapshot is taken at
 the start of the next ``step()``, before anything else touches its slot (the flush is planned by
-position alone, and by then the host holds every token its state covers). ``preempt`` collects the
-step in flight first.
+position alone, and by then the host holds every token its state covers). Drafting, whether a row's
+accepted run ends on a boundary is known on the device only: it makes the draft cuts and forced
+flushes of synchronous steps, and holds such a row out of the next step (a padding row there, its
+slot untouched) while the host, collecting the step, snapshots it; the row then costs one step
+per block boundary it crosses below max_prompt_len. ``preempt`` collects the step in flight
+first.
 
 Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
 request, so tokens never depend on the batch a request shares (speculative draws derive from the
@@ -152,9 +155,8 @@ class EngineConfig:
     overlap: dispatch each step from the previous step's tokens on the device before the host
       reads them, so the host's bookkeeping of step t runs while step t + 1 computes (see the
       module docstring); with drafting the drafts are made on the device too, and every
-      request must fit ``max_seq_len`` (its device token history). None (the default): on
-      unless drafting with prefix caching (``overlapped`` says which), where True raises
-      NotImplementedError. Measured on the H200 (bench/RESULTS.md "serving.Engine end to
+      request must fit ``max_seq_len`` (its device token history). None (the default): on.
+      Measured on the H200 (bench/RESULTS.md "serving.Engine end to
       end"): Qwen3.5-4B preset, B = 32 3510 → 7575 tokens/s, B = 256 15841 → 23337; drafting
       k = 3 (looping weights) B = 32 6477 → 12702, B = 256 17365 → 21164.
   """
@@ -217,20 +219,11 @@ class EngineConfig:
                        "head makes per step)")
     if self.overlap is not None and not isinstance(self.overlap, bool):
       raise ValueError(f"overlap={self.overlap!r}; expected None or a bool")
-    if self.overlap and self.prefix_block and self.num_drafts:
-      raise NotImplementedError(
-          f"overlap=True with prefix_block={self.prefix_block} and num_drafts={self.num_drafts}: "
-          f"whether a drafted run ends on a block boundary (and is snapshotted there) depends on "
-          f"the drafts the device accepts, which the host learns after the next step is "
-          f"dispatched; use overlap=False, or num_drafts=0")
 
   @property
   def overlapped(self) -> bool:
-    """Whether steps overlap (``overlap`` resolved: None means on unless drafting with prefix
-    caching)."""
-    if self.overlap is None:
-      return not (self.prefix_block and self.num_drafts)
-    return self.overlap
+    """Whether steps overlap (``overlap`` resolved: None means on)."""
+    return True if self.overlap is None else self.overlap
 
   @property
   def num_slots(self) -> int:
@@ -269,7 +262,7 @@ class _InFlight:
 class _InFlightVerify:
   """A dispatched speculative step (drafted on the device): row i emits ``run[i, :emitted[i]]``
   after ``drafted[i]`` drafts, for ``reqs[i]`` where ``live[i]``; ``carry`` (history, length,
-  generated, done), the device's per-row state the next chained step starts from."""
+  generated, done, held), the device's per-row state the next chained step starts from."""
   reqs: list
   live: list
   run: jax.Array
@@ -349,9 +342,9 @@ def _verify_impl(graphdef, treedef, leaves, cache, tokens, lengths, slots, force
   return run, emitted, cache
 
 
-def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated, done, slots,
+def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated, done, held, slots,
                     budget, drafts_per_row, temps, seeds, *, num_tokens, ngram, replay,
-                    implementation, mtp=False):
+                    implementation, mtp=False, prefix_block=0, max_prompt_len=0):
   """A speculative step drafted on the device (overlapped steps): the synchronous path's verify
   step, with ``models.generate.ngram_drafts`` (what the host drafter proposes) as the drafter, or
   with ``mtp`` the MTP head's drafts in the cache.
@@ -359,15 +352,26 @@ def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated
   Carried per row: history int32[B, S] (prompt and generated tokens at positions < length[b]),
   length, generated (tokens generated so far) int32[B], done bool[B] (budget reached on the
   device: a padding row from then on; a row past a stop token runs on, unread, as in plain
-  overlapped decode). Per request: slots (negative: padding), budget (max_new_tokens),
-  drafts_per_row (its num_drafts) int32[B], temps, seeds. Returns (run int32[B, T],
-  emitted int32[B], drafted int32[B], carry, cache).
+  overlapped decode), held bool[B] (prefix caching: the row's state reached a block boundary in
+  the step before, so it sits this step out — a padding row — while the host snapshots it).
+  Per request: slots (negative: padding), budget (max_new_tokens), drafts_per_row (its
+  num_drafts) int32[B], temps, seeds. With ``prefix_block`` > 0 the drafts are cut and token-0
+  boundaries flushed as ``Engine._draft_count`` / ``Engine._at_boundary`` do (static
+  ``prefix_block``, ``max_prompt_len``). Returns (run int32[B, T], emitted int32[B] (0 on
+  padding and held rows), drafted int32[B], carry, cache).
   """
   bsz, capacity = history.shape
-  live = (slots >= 0) & ~done
-  # The synchronous path's draft count: the request's k, cut to the remaining budget minus one.
-  drafted = jnp.where(live, jnp.clip(jnp.minimum(drafts_per_row, budget - generated - 1), 0,
-                                     num_tokens - 1), 0)
+  live = (slots >= 0) & ~done & ~held
+  # The synchronous path's draft count: the request's k, cut to the remaining budget minus one
+  # and (prefix caching) to end on the next block boundary below max_prompt_len.
+  limit = jnp.minimum(drafts_per_row, budget - generated - 1)
+  force = jnp.zeros((bsz,), bool)
+  if prefix_block:
+    boundary = -(-length // prefix_block) * prefix_block      # token 0 is the length-th token
+    below = boundary < max_prompt_len
+    limit = jnp.where(below, jnp.minimum(limit, boundary - length), limit)
+    force = live & below & (length == boundary)
+  drafted = jnp.where(live, jnp.clip(limit, 0, num_tokens - 1), 0)
   tokens = jnp.take_along_axis(history, (length - 1)[:, None], axis=1)
   if num_tokens > 1 and mtp:   # lanes 1.. are read from the cache by _verify_impl
     tokens = jnp.concatenate([tokens, jnp.full((bsz, num_tokens - 1), PAD_TOKEN, jnp.int32)], axis=1)
@@ -378,15 +382,18 @@ def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated
   tokens = jnp.where(lane <= drafted[:, None], tokens, PAD_TOKEN)
   run, emitted, cache = _verify_impl(
       graphdef, treedef, leaves, cache, tokens, 1 + drafted, jnp.where(live, slots, -1),
-      jnp.zeros((bsz,), bool), temps, seeds, generated, replay=replay, implementation=implementation,
-      mtp=mtp)
-  emitted_live = jnp.where(live, emitted, 0)
-  kept = lane < emitted_live[:, None]
+      force, temps, seeds, generated, replay=replay, implementation=implementation, mtp=mtp)
+  emitted = jnp.where(live, emitted, 0)
+  kept = lane < emitted[:, None]
   where = jnp.where(kept, length[:, None] + lane, capacity)          # capacity: dropped
   history = history.at[jnp.arange(bsz)[:, None], where].set(run, mode="drop")
-  generated, length = generated + emitted_live, length + emitted_live
+  generated, length = generated + emitted, length + emitted
   done = done | (live & (generated >= budget))
-  return run, emitted, drafted, (history, length, generated, done), cache
+  held = jnp.zeros((bsz,), bool)
+  if prefix_block:   # the state covers length - 1 tokens: on a boundary, the host snapshots it
+    covered = length - 1
+    held = live & ~done & (covered % prefix_block == 0) & (covered < max_prompt_len)
+  return run, emitted, drafted, (history, length, generated, done, held), cache
 
 
 def _copy_impl(graphdef, treedef, leaves, cache, src, dst):
@@ -419,7 +426,8 @@ def _programs(graphdef, treedef) -> _Programs:
       verify=jax.jit(bind(_verify_impl), donate_argnames=("cache",),
                      static_argnames=kernel_options + ("mtp",)),
       speculate=jax.jit(bind(_speculate_impl), donate_argnames=("cache", "history"),
-                        static_argnames=kernel_options + ("num_tokens", "ngram", "mtp")),
+                        static_argnames=kernel_options + ("num_tokens", "ngram", "mtp",
+                                                          "prefix_block", "max_prompt_len")),
       copy=jax.jit(bind(_copy_impl), donate_argnames=("cache",)))
 
 
@@ -790,8 +798,11 @@ class Engine:
     drafting = bool(self.config.num_drafts)
     self._snapshot_step(prev)
     if prev is not None and not self._waiting:
-      # Rows that may still run after prev (which emits at least one token per row).
-      live = [ok and not r.done and len(r.generated) + 1 < r.max_new_tokens
+      # Rows that may still run after prev, which emits at least one token per row — except, with
+      # prefix caching, a drafting row it holds on a block boundary (the device's own budget flag
+      # makes a finished row a padding row).
+      least = 0 if drafting and self.config.prefix_block else 1
+      live = [ok and not r.done and len(r.generated) + least < r.max_new_tokens
               for r, ok in zip(prev.reqs, prev.live)]
       if any(live) and drafting:
         self._inflight = self._speculate(prev.reqs, live, carry=prev.carry)
@@ -826,7 +837,7 @@ class Engine:
         history[i, :len(seq)] = seq
       carry = (history, rows([len(r.prompt) + len(r.generated) for r in reqs], 1, np.int32),
                rows([len(r.generated) for r in reqs], 0, np.int32),
-               rows([False] * len(reqs), False, bool))
+               rows([False] * len(reqs), False, bool), rows([False] * len(reqs), False, bool))
       # Committed like the carry a chained step passes, so both share one compiled program.
       carry = jax.device_put(carry, self._cache.positions.sharding)
     run, emitted, drafted, carry, self._cache = self._programs.speculate(
@@ -836,7 +847,8 @@ class Engine:
         rows([r.num_drafts for r in reqs], 0, np.int32),
         rows([r.temperature for r in reqs], 0.0, np.float32), rows([r.seed for r in reqs], 0, np.int32),
         num_tokens=1 + max(r.num_drafts for r in reqs), ngram=cfg.ngram, replay=cfg.replay,
-        implementation=cfg.implementation, mtp=self._mtp)
+        implementation=cfg.implementation, mtp=self._mtp, prefix_block=cfg.prefix_block,
+        max_prompt_len=self.max_prompt_len if cfg.prefix_block else 0)
     return _InFlightVerify(reqs=reqs, live=live, run=run, emitted=emitted, drafted=drafted,
                            carry=carry)
 
@@ -863,7 +875,9 @@ class Engine:
 
   def _collect(self, step: "_InFlight | _InFlightVerify") -> list:
     """Reads a dispatched step's tokens and appends them to its live, unfinished rows (a
-    speculative run up to its first stop token, as in ``_decode``)."""
+    speculative run up to its first stop token, as in ``_decode``). A speculative row whose state
+    then sits on a block boundary is snapshotted first, as ``_decode`` does: the device holds it
+    in the chained step already dispatched (``_speculate_impl``), so its slot is unchanged."""
     if isinstance(step, _InFlightVerify):
       run, emitted, drafted = (np.asarray(x) for x in (step.run, step.emitted, step.drafted))
       runs = [run[i, :emitted[i]].tolist() for i in range(len(step.reqs))]
@@ -873,8 +887,11 @@ class Engine:
       drafted = [0] * len(step.reqs)
     finished = []
     for r, ok, toks, d in zip(step.reqs, step.live, runs, drafted):
-      if not ok or r.done:
+      if not ok or r.done or not toks:   # (no tokens: held on a boundary, or budget reached)
         continue
+      n = len(r.prompt) + len(r.generated)   # the state covered n - 1 tokens before the step
+      if isinstance(step, _InFlightVerify) and self._snapshot_due(r, n - 1 + len(toks), toks):
+        self._snapshot(r.slot, (r.prompt + r.generated + toks)[:n - 1 + len(toks)])
       r.drafted += d
       r.accepted += len(toks) - 1
       if any(self._append(r, tok) for tok in toks):
