@@ -15,9 +15,9 @@ and, named in ``--arms`` only, ``decode-replay-overlap`` / ``decode-conv-overlap
 step dispatched before the host reads the previous one's tokens; drafts made on the device), and
 ``decode-replay-overlap-copy`` / ``spec-replay-copy`` / ``spec-replay-overlap-copy`` (ReplaySSM
 arms over a bf16 read copy of the float32 checkpoint, ``EngineConfig.read_copy_dtype``), and
-``spec-mtp-overlap`` / ``spec-mtp-conv-overlap`` (overlapped drafting by the model's
-multi-token-prediction head, ``EngineConfig(drafter="mtp")``; ReplaySSM and conventional verify;
-the preset or smoke model needs an MTP head).
+``spec-mtp`` / ``spec-mtp-overlap`` / ``spec-mtp-conv-overlap`` (drafting by the model's
+multi-token-prediction head, ``EngineConfig(drafter="mtp")``: synchronous and overlapped ReplaySSM
+verify, overlapped conventional verify; the preset or smoke model needs an MTP head).
 
 Timed: the decode phase, from the first step after the last request was admitted to the last
 step, on the host clock (every step ends in a host read of its tokens, so the clock sees the
