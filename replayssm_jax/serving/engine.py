@@ -62,22 +62,22 @@ them).
 
 Overlapped steps (the default; ``overlap=False`` turns them off): a step is dispatched before the
 host reads the tokens of the one before, from those tokens on the device, so the host's work
-(reading tokens, stop and length checks, bookkeeping) runs while the device computes the next step. While requests wait for a slot, the engine collects first
-and admits as usual. A row that reaches ``max_new_tokens`` in the step in flight is a padding row
-of the next; one that hits a stop token there computes one more step into the slot it frees, which
-nobody reads (the next request in that slot starts from a fresh prefill). With drafting the device
-keeps each row's token history (prompt + ``max_new_tokens`` must fit ``max_seq_len``), drafts with
-``models.generate.ngram_drafts`` (what the host drafter proposes), applies the same draft cuts, and
-makes a row that reached its budget a padding row (no stop-token list on the device: its shape
-would vary with the requests). Tokens and drafts are those of synchronous steps; ``step()`` reports
-a request finished one call later. With prefix caching a row's decode-boundary snapshot is taken at
-the start of the next ``step()``, before anything else touches its slot (the flush is planned by
-position alone, and by then the host holds every token its state covers). When drafting, only the
-device knows in time whether a row's accepted run ends on a boundary: it makes the draft cuts and
-forced flushes of synchronous steps, and holds such a row out of the next step (a padding row
-there, its slot untouched) while the host, collecting the step, snapshots it; a row so costs one
-step per block boundary it reaches below max_prompt_len. ``preempt`` collects the step in flight
-first.
+(reading tokens, stop and length checks, bookkeeping) runs while the device computes the next step.
+While requests wait for a slot, the engine collects first and admits as usual. A row that reaches
+``max_new_tokens`` in the step in flight is a padding row of the next; one that hits a stop token
+there computes one more step into the slot it frees, which nobody reads (the next request in that
+slot starts from a fresh prefill). With drafting the device keeps each row's token history (prompt +
+``max_new_tokens`` must fit ``max_seq_len``), drafts with ``models.generate.ngram_drafts`` (what the
+host drafter proposes), applies the same draft cuts, and makes a row that reached its budget a
+padding row (no stop-token list on the device: its shape would vary with the requests). Tokens and
+drafts are those of synchronous steps; ``step()`` reports a request finished one call later. With
+prefix caching a row's decode-boundary snapshot is taken at the start of the next ``step()``, before
+anything else touches its slot (the flush is planned by position alone, and by then the host holds
+every token its state covers). When drafting, only the device knows in time whether a row's accepted
+run ends on a boundary: it makes the draft cuts and forced flushes of synchronous steps, and holds
+such a row out of the next step (a padding row there, its slot untouched) while the host, collecting
+the step, snapshots it; a row so costs one step per block boundary it reaches below max_prompt_len.
+``preempt`` collects the step in flight first.
 
 Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
 request, so tokens never depend on the batch a request shares (speculative draws derive from the
