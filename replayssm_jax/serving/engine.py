@@ -971,16 +971,14 @@ class Engine:
     abstract = nnx.eval_shape(lambda: LM(model_config, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-      try:
-        params = ckptr.restore(path / "params", args=ocp.args.StandardRestore(abstract_params))
-        model = nnx.merge(graphdef, params)
-        max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
-        abstract_cache = jax.eval_shape(lambda: _init_cache(model, config, max_seq_len))
-        cache = ckptr.restore(path / "cache", args=ocp.args.StandardRestore(abstract_cache))
-      except (FileNotFoundError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: the saved params and cache do not match the model and engine "
-                         f"config of its engine.json (written by another version of "
-                         f"replayssm_jax?): {type(e).__name__}: {e}") from None
+      # Compared before restoring: a restore that fails part-way leaves Orbax's reads pending.
+      _check_saved(ckptr, path, "params", abstract_params)
+      params = ckptr.restore(path / "params", args=ocp.args.StandardRestore(abstract_params))
+      model = nnx.merge(graphdef, params)
+      max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
+      abstract_cache = jax.eval_shape(lambda: _init_cache(model, config, max_seq_len))
+      _check_saved(ckptr, path, "cache", abstract_cache)
+      cache = ckptr.restore(path / "cache", args=ocp.args.StandardRestore(abstract_cache))
     engine = cls(model, config, _cache=cache)
     engine._requests = requests
     engine._waiting = collections.deque(waiting)
@@ -990,6 +988,29 @@ class Engine:
     engine._clock_base, engine._t0 = clock, time.perf_counter()
     engine.prefix_lookups, engine.prefix_hits, engine.steps, engine._warned = counters
     return engine
+
+
+def _check_saved(ckptr, path, what: str, abstract) -> None:
+  """Raises ValueError unless ``path / what`` (an Orbax checkpoint written by ``Engine.preempt``)
+  holds the arrays of ``abstract``: the same names, shapes and dtypes."""
+  try:
+    metadata = ckptr.metadata(path / what)
+  except (FileNotFoundError, KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"{path / what} is not a checkpoint written by Engine.preempt "
+                     f"({type(e).__name__}: {e})") from None
+  metadata = getattr(metadata, "item_metadata", metadata)
+  saved = {m.name: (tuple(m.shape), str(m.dtype)) for m in jax.tree.leaves(metadata)}
+
+  def name(key_path):
+    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                    for k in key_path)
+  expected = {name(p): (tuple(x.shape), str(x.dtype))
+              for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+  for leaf in sorted(saved.keys() | expected.keys()):
+    if saved.get(leaf) != expected.get(leaf):
+      raise ValueError(f"{path}: the saved {what} does not match the model and engine config of "
+                       f"its engine.json (written by another version of replayssm_jax?): {leaf} "
+                       f"saved as {saved.get(leaf)}, expected {expected.get(leaf)} (shape, dtype)")
 
 
 def _committed(tree):
