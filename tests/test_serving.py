@@ -12,6 +12,7 @@ a GatedDeltaNet LM and a hybrid of GatedDeltaNet, attention (KV cache) and MoE l
 """
 import dataclasses
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -341,15 +342,20 @@ def test_resume_of_a_damaged_directory_names_the_file(tmp_path):
     Engine.resume(tmp_path)
 
 
-def test_resume_of_a_cache_that_does_not_match_its_config_says_so(model, tmp_path):
+def test_resume_of_a_missing_or_mismatched_cache_says_so(model, tmp_path):
   engine = Engine(model, CFG)
   engine.submit([1, 2, 3], max_new_tokens=2)
   engine.preempt(tmp_path)
-  state = json.loads((tmp_path / "engine.json").read_text())
+  written = (tmp_path / "engine.json").read_text()
+  state = json.loads(written)
   state["engine_config"]["buffer_len"] = 8     # rings of another length than those saved
   (tmp_path / "engine.json").write_text(json.dumps(state))
   with pytest.raises(ValueError, match=r"the saved cache does not match the model and engine config "
                                        r"of its engine.json .*: layers\.0\.bufs\.ring_g saved as "):
+    Engine.resume(tmp_path)
+  (tmp_path / "engine.json").write_text(written)
+  shutil.rmtree(tmp_path / "cache")
+  with pytest.raises(ValueError, match="cache holds no checkpoint written by Engine.preempt"):
     Engine.resume(tmp_path)
 
 

@@ -1000,6 +1000,8 @@ def _check_saved(ckptr, path, what: str, abstract) -> None:
                      f"({type(e).__name__}: {e})") from None
   metadata = getattr(metadata, "item_metadata", metadata)
   saved = {m.name: (tuple(m.shape), str(m.dtype)) for m in jax.tree.leaves(metadata)}
+  if not saved:
+    raise ValueError(f"{path / what} holds no checkpoint written by Engine.preempt")
 
   def name(key_path):
     return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
