@@ -150,8 +150,8 @@ def test_mtp_prefix_snapshots_are_exact(model, overlap):
   ca, cc, ce = (cold.submit(p, max_new_tokens=n) for p, n in ((a, 12), (c, 3), (e, 5)))
   cold_out = cold.run()
   assert gen_a == cold_out[ca] and out[rc] == cold_out[cc] and out[re] == cold_out[ce]
-  # A request without drafts decoding alone runs no head: its prompt block (4) is cached, its
-  # decode boundary (8) is not.
+  # A request without drafts is not snapshotted at a decode boundary (synchronous steps decode it
+  # without the head while no drafting request runs): its prompt block (4) is cached, 8 is not.
   f = [3, 1, 4, 1, 5]
   engine.submit(f, max_new_tokens=6, num_drafts=0)
   engine.run()
