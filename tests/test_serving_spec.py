@@ -333,6 +333,29 @@ def test_ngram_drafter_equals_ngram_drafts():
         d.extend(row[length:length + 1].tolist())
 
 
+def test_boundary_rule_is_one_rule_on_host_and_device():
+  """The draft cut and boundary flush the host applies per request (Python ints) are what the
+  overlapped step applies per row (int32 arrays under jit), at every length, budget and block."""
+  n, drafts, remaining = (a.ravel() for a in np.meshgrid(np.arange(0, 40), np.arange(0, 5),
+                                                          np.arange(0, 6), indexing="ij"))
+  for block, max_prompt_len in ((0, 32), (4, 32), (8, 20), (5, 5)):
+    rule = dict(block=block, max_prompt_len=max_prompt_len)
+    on_device = jax.jit(lambda n, d, r: (
+        engine_module._draft_limit(n, d, r, **rule, xp=jnp), engine_module._on_boundary(n, **rule)))
+    limit, boundary = (np.asarray(x) for x in on_device(*(jnp.asarray(a, jnp.int32)
+                                                           for a in (n, drafts, remaining))))
+    host = [(int(engine_module._draft_limit(int(a), int(d), int(r), **rule)),
+             bool(engine_module._on_boundary(int(a), **rule))) for a, d, r in zip(n, drafts, remaining)]
+    assert host == list(zip(limit.tolist(), boundary.tolist())), rule
+    # What the rule is: no run passes the budget or, with a block, the next boundary below max_prompt_len.
+    for (k, at), a, d, r in zip(host, n, drafts, remaining):
+      assert 0 <= k <= min(d, max(r - 1, 0))
+      nxt = -(-a // block) * block if block else None
+      if block and nxt < max_prompt_len:
+        assert a + k <= nxt
+      assert at == bool(block and a % block == 0 and a < max_prompt_len)
+
+
 def test_speculative_bad_options(model):
   with pytest.raises(ValueError, match="num_drafts=8; expected at most 7"):
     EngineConfig(num_drafts=8)

@@ -342,6 +342,28 @@ def _verify_impl(graphdef, treedef, leaves, cache, tokens, lengths, slots, force
   return run, emitted, cache
 
 
+def _on_boundary(n, *, block: int, max_prompt_len: int):
+  """Whether a state covering n tokens sits on a prefix-cache block boundary below
+  max_prompt_len (no snapshot is kept at max_prompt_len or beyond). Elementwise: Python ints on
+  the host, int32 arrays on the device (``_speculate_impl``), one rule for both."""
+  if not block:
+    return n < 0   # never (n >= 0): False, or an all-False array
+  return (n % block == 0) & (n < max_prompt_len)
+
+
+def _draft_limit(n, drafts, remaining, *, block: int, max_prompt_len: int, xp=np):
+  """Drafts a row verifies when token 0 is its n-th token (its state covers n - 1): ``drafts``
+  cut to ``remaining`` - 1 (the run emits at most drafts + 1 tokens) and, with prefix caching,
+  so that the state after the step covers at most the next block boundary b >= n below
+  max_prompt_len (a snapshot needs a step that ends there): 0 drafts when token 0 reaches b.
+  Elementwise with ``xp`` = np (host ints) or jnp (device arrays)."""
+  k = xp.minimum(drafts, remaining - 1)
+  if block:
+    boundary = -(-n // block) * block
+    k = xp.where(boundary < max_prompt_len, xp.minimum(k, boundary - n), k)
+  return xp.maximum(k, 0)
+
+
 def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated, done, held, slots,
                     budget, drafts_per_row, temps, seeds, *, num_tokens, ngram, replay,
                     implementation, mtp=False, prefix_block=0, max_prompt_len=0):
@@ -356,22 +378,17 @@ def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated
   the step before, so it sits this step out — a padding row — while the host snapshots it).
   Per request: slots (negative: padding), budget (max_new_tokens), drafts_per_row (its
   num_drafts) int32[B], temps, seeds. With ``prefix_block`` > 0 the drafts are cut and token-0
-  boundaries flushed as ``Engine._draft_count`` / ``Engine._at_boundary`` do (static
+  boundaries flushed by the host's rule (``_draft_limit``, ``_on_boundary``; static
   ``prefix_block``, ``max_prompt_len``). Returns (run int32[B, T], emitted int32[B] (0 on
   padding and held rows), drafted int32[B], carry, cache).
   """
   bsz, capacity = history.shape
   live = (slots >= 0) & ~done & ~held
-  # The synchronous path's draft count: the request's k, cut to the remaining budget minus one
-  # and (prefix caching) to end on the next block boundary below max_prompt_len.
-  limit = jnp.minimum(drafts_per_row, budget - generated - 1)
-  force = jnp.zeros((bsz,), bool)
-  if prefix_block:
-    boundary = -(-length // prefix_block) * prefix_block      # token 0 is the length-th token
-    below = boundary < max_prompt_len
-    limit = jnp.where(below, jnp.minimum(limit, boundary - length), limit)
-    force = live & below & (length == boundary)
-  drafted = jnp.where(live, jnp.clip(limit, 0, num_tokens - 1), 0)
+  # The synchronous path's draft cuts and boundary flushes (``Engine._drafts``, ``Engine._decode``).
+  rule = dict(block=prefix_block, max_prompt_len=max_prompt_len)
+  limit = _draft_limit(length, drafts_per_row, budget - generated, **rule, xp=jnp)
+  force = live & _on_boundary(length, **rule)
+  drafted = jnp.where(live, jnp.minimum(limit, num_tokens - 1), 0)
   tokens = jnp.take_along_axis(history, (length - 1)[:, None], axis=1)
   if num_tokens > 1 and mtp:   # lanes 1.. are read from the cache by _verify_impl
     tokens = jnp.concatenate([tokens, jnp.full((bsz, num_tokens - 1), PAD_TOKEN, jnp.int32)], axis=1)
@@ -389,10 +406,8 @@ def _speculate_impl(graphdef, treedef, leaves, cache, history, length, generated
   history = history.at[jnp.arange(bsz)[:, None], where].set(run, mode="drop")
   generated, length = generated + emitted, length + emitted
   done = done | (live & (generated >= budget))
-  held = jnp.zeros((bsz,), bool)
-  if prefix_block:   # the state covers length - 1 tokens: on a boundary, the host snapshots it
-    covered = length - 1
-    held = live & ~done & (covered % prefix_block == 0) & (covered < max_prompt_len)
+  # The state covers length - 1 tokens: on a boundary, the host snapshots it (held a step).
+  held = live & ~done & _on_boundary(length - 1, **rule)
   return run, emitted, drafted, (history, length, generated, done, held), cache
 
 
@@ -683,11 +698,10 @@ class Engine:
 
   def _at_boundary(self, n: int) -> bool:
     """Whether a state covering n tokens sits on a prefix-cache block boundary below
-    max_prompt_len. Decode flushes such rows (so a snapshot there has an empty ring window) by
-    position alone, cached or not: a request's flushes depend on it alone, and an overlapped
-    step knows them before the host has its input token."""
-    block = self.config.prefix_block
-    return bool(block) and n % block == 0 and n < self.max_prompt_len
+    max_prompt_len (``_on_boundary``). Decode flushes such rows (so a snapshot there has an empty
+    ring window) by position alone, cached or not: a request's flushes depend on it alone, and an
+    overlapped step knows them before the host has its input token."""
+    return bool(_on_boundary(n, block=self.config.prefix_block, max_prompt_len=self.max_prompt_len))
 
   def _snapshot_due(self, r: _Request, n: int, run=()) -> bool:
     """A slot whose state covers the first n tokens of ``r.prompt + r.generated + run`` is
@@ -714,20 +728,10 @@ class Engine:
 
   def _draft_count(self, r: _Request, n: int) -> int:
     """Drafts row r verifies this step (its state covers its first n - 1 tokens; token 0 is the
-    n-th).
-
-    The run emits at most drafts + 1 tokens, so the drafts are cut to the remaining budget minus
-    one, and so that the state after the step covers at most the first block boundary b >= n
-    (a snapshot needs a step that ends there): 0 drafts when token 0 reaches b itself. The cut
-    depends on the request alone (not on what is cached), so its tokens stay independent of the
-    other requests.
-    """
-    block = self.config.prefix_block
-    k = min(r.num_drafts, r.max_new_tokens - len(r.generated) - 1)
-    boundary = -(-n // block) * block if block else self.max_prompt_len
-    if boundary < self.max_prompt_len:   # no snapshot is kept at max_prompt_len or beyond
-      k = min(k, boundary - n)
-    return max(k, 0)
+    n-th): ``_draft_limit``. The cut depends on the request alone (not on what is cached), so its
+    tokens stay independent of the other requests."""
+    return int(_draft_limit(n, r.num_drafts, r.max_new_tokens - len(r.generated),
+                            block=self.config.prefix_block, max_prompt_len=self.max_prompt_len))
 
   def _drafts(self, r: _Request, n: int) -> list:
     k = self._draft_count(r, n) if self.config.num_drafts else 0
