@@ -13,7 +13,8 @@ flush, in replay and conventional mode: sharded logits == unsharded logits (floa
 psum's summation order), greedy tokens identical, and every cache array (checkpoints, rings, conv
 states, KV caches, cursor, positions) equal after unsharding. Then speculative verify + commit
 (T = 3, short rows, random accepted counts, a forced flush), ReplaySSM and conventional (state
-stacks): logits of the real lanes and every cache array equal.
+stacks): logits of the real lanes and every cache array equal. ``generate`` over the sharded
+model gives the unsharded model's tokens and stats (greedy, speculative, sampled).
 """
 import pathlib
 import subprocess
@@ -40,6 +41,7 @@ def _check():
   heads = dict(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8, mamba2_num_heads=8,
                mamba2_num_groups=4, max_prompt_len=16)
   _check_model(LMConfig.tiny_hybrid(num_layers=2, **heads))
+  _check_generate(LMConfig.tiny_hybrid(num_layers=2, **heads))
   attention = AttentionConfig(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=4, qk_norm=True,
                               norm_offset=1.0, output_gate=True, scale=0.125)
   moe = MoEConfig(hidden_size=64, num_experts=8, top_k=2, expert_intermediate_size=16,
@@ -127,6 +129,36 @@ def _check_verify(model, sharded, tokens, slots, lengths, close):
     for path, a in jax.tree_util.tree_leaves_with_path(ref_cache):
       b = [x for p, x in jax.tree_util.tree_leaves_with_path(back) if p == path][0]
       close(b, a, f"cache after verify {jax.tree_util.keystr(path)}, replay={replay}")
+
+
+def _check_generate(config):
+  """``generate`` over the ShardedLM: the unsharded model's tokens, greedy (plain, n-gram
+  speculative, conventional speculative) and sampled."""
+  import jax
+  from jax.sharding import Mesh
+
+  from bench.engine_spec import looping_model
+  from replayssm_jax.models import generate, make_model, shard_model
+
+  model = looping_model(make_model(config, seed=0))   # greedy cycles: drafts are accepted
+  sharded = shard_model(model, Mesh(np.array(jax.devices()), ("tp",)), axis="tp")
+  rng = np.random.RandomState(2)
+  prompts = rng.randint(1, 256, (3, 12)).astype(np.int32)
+  lengths = np.array([12, 4, 9], np.int32)
+  for options in (dict(), dict(speculative=2), dict(speculative=2, replay=False),
+                  dict(temperature=0.7, seed=3), dict(speculative=2, temperature=0.7, seed=3)):
+    ref = generate(model, prompts, lengths, max_new_tokens=10, return_stats=True, **options)
+    got = generate(sharded, prompts, lengths, max_new_tokens=10, return_stats=True, **options)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(options))
+    if options.get("speculative") and not options.get("temperature"):
+      assert int(np.sum(ref[2].accepted)) > 0, options
+  try:
+    generate(sharded, prompts, lengths, max_new_tokens=4, speculative=2, drafter="mtp")
+  except NotImplementedError as e:
+    assert "ShardedLM" in str(e), e
+  else:
+    raise AssertionError("drafter='mtp' over a ShardedLM was accepted")
 
 
 def test_sharded_equals_unsharded_on_4_devices():

@@ -1,7 +1,7 @@
 """Jitted generation: prefill plus a ``lax.while_loop`` of decode steps in ONE ``jax.jit``.
 
 ``nnx.split`` runs outside the jit and ``nnx.merge`` inside; the cache is created outside and
-donated. Prompts are padded to ``config.max_prompt_len`` and every cursor value is traced data,
+donated. A ``ShardedLM`` runs the same body per device (``MeshLayout.on_mesh``). Prompts are padded to ``config.max_prompt_len`` and every cursor value is traced data,
 so one compilation serves any prompts, prompt lengths and cursor phases for a given batch size
 and static options (max_new_tokens, replay, temperature, stop_tokens, buffer_len, implementation,
 speculative, ngram).
@@ -13,6 +13,7 @@ through ``LM.verify`` (T = k + 1), emits the accepted drafts plus one token of t
 exactly the emitted count. ``replay=False`` verifies through the conventional state stacks
 (``LM.verify(replay=False)``), the baseline.
 """
+import functools
 from typing import NamedTuple
 
 import jax
@@ -23,6 +24,7 @@ from flax import nnx
 from replayssm_jax import config as config_lib
 from replayssm_jax.models import sampling
 from replayssm_jax.models.lm import LM
+from replayssm_jax.models.sharding import MeshLayout, ShardedLM
 
 PAD_TOKEN = 0
 MAX_DRAFTS = 7   # replay_verify takes T <= 8 tokens per row
@@ -79,11 +81,11 @@ def ngram_drafts(history, length, *, num_drafts, ngram):
   return jnp.where((p >= 0)[:, None], drafts, last_tok)
 
 
-def _generate_impl(graphdef, params, cache, prompts, lengths, key, *, max_new_tokens, replay,
-                   temperature, stop_tokens, implementation, speculative, ngram, drafter):
-  """Traced body. prompts int32[B, P], lengths int32[B] →
-  (tokens [B, M], num_generated [B], GenerateStats, cache)."""
-  model = nnx.merge(graphdef, params)
+def _generate_impl(graphdef, treedef, leaves, cache, prompts, lengths, key, *, max_new_tokens,
+                   replay, temperature, stop_tokens, implementation, speculative, ngram, drafter):
+  """Traced body. leaves: the parameters flattened (``treedef``); prompts int32[B, P], lengths
+  int32[B] → (tokens [B, M], num_generated [B], GenerateStats, cache)."""
+  model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
   bsz = prompts.shape[0]
   slots = jnp.arange(bsz, dtype=jnp.int32)
   stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)  # -1 never matches a token
@@ -187,10 +189,18 @@ def _speculative_loop(model, cache, prompts, lengths, tok, out, done, num, is_st
   return out, num, GenerateStats(steps=steps, accepted=accepted), cache
 
 
+def _generate_run(graphdef, treedef, leaves, cache, prompts, lengths, key, *,
+                  layout: MeshLayout | None, **options):
+  body = functools.partial(_generate_impl, graphdef, treedef, **options)
+  if layout is not None:
+    body = layout.on_mesh(body, 3)
+  return body(leaves, cache, prompts, lengths, key)
+
+
 _generate_jit = jax.jit(
-    _generate_impl, donate_argnames=("cache",),
-    static_argnames=("graphdef", "max_new_tokens", "replay", "temperature", "stop_tokens",
-                     "implementation", "speculative", "ngram", "drafter"))
+    _generate_run, donate_argnames=("cache",),
+    static_argnames=("graphdef", "treedef", "layout", "max_new_tokens", "replay", "temperature",
+                     "stop_tokens", "implementation", "speculative", "ngram", "drafter"))
 
 
 def _as_int(name, value, lo):
@@ -199,7 +209,7 @@ def _as_int(name, value, lo):
   return int(value)
 
 
-def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temperature=0.0,
+def generate(model: LM | ShardedLM, prompts, lengths, *, max_new_tokens, replay=True, temperature=0.0,
              stop_tokens=(), seed=0, buffer_len=None, implementation=None, speculative=0, ngram=2,
              drafter="ngram", return_stats=False):
   """Generates ``max_new_tokens`` tokens per row after right-padded prompts.
@@ -224,7 +234,8 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   head instead (``models.mtp``; greedy drafts made after the prefill and after every commit).
 
   Args:
-    model: an LM (e.g. ``make_model(LMConfig.tiny(), seed)``).
+    model: an LM (e.g. ``make_model(LMConfig.tiny(), seed)``), or a ShardedLM (``shard_model``:
+      the same tokens up to the psums' float summation order; no MTP drafter).
     prompts: int32[B, T] with T <= ``model.config.max_prompt_len``; row b uses ``prompts[b, :lengths[b]]``.
     lengths: int32[B] in [1, T].
     max_new_tokens: M >= 1.
@@ -247,8 +258,9 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
     (tokens int32[B, M], num_generated int32[B]: tokens before the padding, stop token included),
     plus ``GenerateStats`` with ``return_stats=True``.
   """
-  if not isinstance(model, LM):
-    raise ValueError(f"model must be a replayssm_jax.models.LM; got {type(model).__name__}")
+  if not isinstance(model, (LM, ShardedLM)):
+    raise ValueError(f"model must be a replayssm_jax.models.LM or a ShardedLM (shard_model); got "
+                     f"{type(model).__name__}")
   cfg = model.config
   max_new_tokens = _as_int("max_new_tokens", max_new_tokens, 1)
   _as_int("seed", seed, 0)
@@ -268,6 +280,9 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
                      f">= speculative + 1 (a flushed row's drafts must fit its window)")
   if drafter not in ("ngram", "mtp"):
     raise ValueError(f"drafter={drafter!r}; expected 'ngram' or 'mtp'")
+  if drafter == "mtp" and isinstance(model, ShardedLM):
+    raise NotImplementedError("drafter='mtp' with a ShardedLM: the MTP head is not sharded; draft "
+                              "with drafter='ngram', or generate with the unsharded LM")
   if drafter == "mtp" and (not speculative or model.mtp is None):
     raise ValueError(f"drafter='mtp' with speculative={speculative} and mtp_layers={cfg.mtp_layers}; "
                      f"expected speculative >= 1 and a model with a multi-token-prediction head")
@@ -295,15 +310,17 @@ def generate(model: LM, prompts, lengths, *, max_new_tokens, replay=True, temper
   # Pad every prompt batch to max_prompt_len: the padding is inert, and one shape means one compile.
   padded = np.zeros((bsz, cfg.max_prompt_len), np.int32)
   padded[:, :t] = prompts_np
-  graphdef, params = nnx.split(model)
+  graphdef, params = model.split() if isinstance(model, ShardedLM) else nnx.split(model)
+  leaves, treedef = jax.tree.flatten(params)
   # KV capacity: the longest prompt, every generated token and one step's drafts.
   cache = model.init_cache(bsz, buffer_len=buffer_len, max_draft=speculative,
                            max_len=cfg.max_prompt_len + max_new_tokens + speculative,
                            verify_stacks=bool(speculative) and not replay,
                            mtp_drafts=speculative if drafter == "mtp" else 0)
+  layout = model.layout(cache) if isinstance(model, ShardedLM) else None
   tokens, num, stats, _ = _generate_jit(
-      graphdef, params, cache, jnp.asarray(padded), jnp.asarray(lengths_np), jax.random.PRNGKey(seed),
-      max_new_tokens=max_new_tokens, replay=bool(replay), temperature=float(temperature),
+      graphdef, treedef, leaves, cache, jnp.asarray(padded), jnp.asarray(lengths_np),
+      jax.random.PRNGKey(seed), layout=layout, max_new_tokens=max_new_tokens, replay=bool(replay), temperature=float(temperature),
       stop_tokens=stop_tokens, implementation=implementation, speculative=speculative,
       ngram=ngram, drafter=drafter)
   return (tokens, num, stats) if return_stats else (tokens, num)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from replayssm_jax.models.attention import AttentionLayerCache
 from replayssm_jax.models.gated_deltanet import GdnLayerCache
@@ -46,7 +46,36 @@ def _regroup(x, dim, sizes, tp, *, to_device_major):
     order = np.concatenate([g.reshape(tp, -1)[d] for d in range(tp) for g in groups])
   else:
     order = np.argsort(_regroup(np.arange(x.shape[dim]), 0, sizes, tp, to_device_major=True))
+  if isinstance(x, np.ndarray):   # host arrays stay on the host (Engine.preempt / resume)
+    return np.take(x, order, axis=dim)
   return jnp.take(x, jnp.asarray(order), axis=dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+  """Where a program over a ShardedLM runs (``ShardedLM.layout``; hashable, so jitted programs can
+  be cached on it): the body runs per device under ``jax.shard_map`` over ``mesh``, on the
+  device's parameter shards (``param_specs``, one per parameter leaf) and cache shards
+  (``cache_specs``, the flattened specs of a cache with ``cache_treedef``); every other operand
+  and every output but the cache is replicated. Outputs computed from the logits are replicated
+  by construction (the logits are, after the mixers' psums), so every device samples the same
+  tokens."""
+  mesh: Mesh
+  param_specs: tuple
+  cache_specs: tuple
+  cache_treedef: jax.tree_util.PyTreeDef
+
+  def on_mesh(self, body, replicated_outputs: int):
+    """``body(param_leaves, cache, *args)`` → the same function run per device; ``body`` returns
+    ``replicated_outputs`` replicated values, then the cache (only the cache when 0)."""
+    cache = jax.tree.unflatten(self.cache_treedef, self.cache_specs)
+
+    def run(leaves, cache_in, *args):
+      out_specs = (P(),) * replicated_outputs + (cache,) if replicated_outputs else cache
+      # check_vma=False as in _sharded_step: scans carry head-sharded values from replicated zeros.
+      return jax.shard_map(body, mesh=self.mesh, in_specs=(list(self.param_specs), cache) + (P(),) * len(args),
+                           out_specs=out_specs, check_vma=False)(list(leaves), cache_in, *args)
+    return run
 
 
 class ShardedLM:
@@ -55,7 +84,10 @@ class ShardedLM:
   ``prefill`` / ``decode`` / ``verify`` / ``commit`` have the signatures of the ``LM`` methods and
   take and return a sharded cache (from ``init_cache`` or ``shard_cache``; ``verify`` a
   ``VerifyStep`` holding one, its conv windows sharded like the conv states); they are jitted with
-  the cache (the step) donated.
+  the cache (the step) donated. ``serving.Engine`` takes a ShardedLM as it takes an LM.
+
+  The model's multi-token-prediction head is not sharded (``mtp`` is None): MTP drafting needs
+  the unsharded LM.
   """
 
   def __init__(self, model: LM, mesh, axis: str):
@@ -110,6 +142,32 @@ class ShardedLM:
     self.params = jax.tree.unflatten(treedef, leaves)
     self._param_specs = jax.tree.unflatten(treedef, specs)
     self._steps = {}
+
+  @property
+  def config(self):
+    """The unsharded model's LMConfig (global head counts)."""
+    return self.model.config
+
+  @property
+  def mtp(self):
+    """None: the MTP head is not sharded."""
+    return None
+
+  @property
+  def param_specs(self):
+    """PartitionSpecs of ``params`` (the same tree)."""
+    return self._param_specs
+
+  def split(self):
+    """(graphdef, params) of the per-device model, as ``nnx.split`` gives for an LM: inside a
+    ``jax.shard_map`` over ``mesh`` with ``param_specs``, ``nnx.merge(graphdef, params)`` is the
+    device's LM over its heads (its psums name ``axis``)."""
+    return self._graphdef, self.params
+
+  def layout(self, cache) -> MeshLayout:
+    """The MeshLayout of programs over this model's parameters and ``cache`` (a sharded cache)."""
+    specs, treedef = jax.tree.flatten(self.cache_specs(cache))
+    return MeshLayout(self.mesh, tuple(jax.tree.leaves(self._param_specs)), tuple(specs), treedef)
 
   # ---- layouts -------------------------------------------------------------------------------
 
@@ -168,7 +226,7 @@ class ShardedLM:
              "shared_down": P(a, None)}
     return x, specs.get(name, P())   # router, correction_bias, shared_expert_gate, latent_in/out
 
-  def _cache_specs(self, cache):
+  def cache_specs(self, cache):
     """PartitionSpecs of a sharded LMCache (or of a VerifyStep: its cache, replicated plan, conv
     windows [B, W-1+T, C] on their device-major channel axis like the conv states)."""
     a = self.axis
@@ -201,24 +259,33 @@ class ShardedLM:
   def shard_cache(self, cache: LMCache) -> LMCache:
     """An unsharded model's cache → the sharded layout, placed on the mesh."""
     cache = self._convert_cache(cache, to_sharded=True)
-    specs = self._cache_specs(cache)
+    specs = self.cache_specs(cache)
     return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), cache, specs)
 
-  def unshard_cache(self, cache: LMCache) -> LMCache:
-    """A sharded cache → the unsharded model's layout (single-device arrays)."""
-    cache = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), cache)
+  def unshard_cache(self, cache: LMCache, *, host: bool = False) -> LMCache:
+    """A sharded cache → the unsharded model's layout: single-device arrays, or with ``host``
+    numpy arrays (nothing gathered on a device; ``shard_cache`` takes them back)."""
+    cache = jax.tree.map(np.asarray if host else lambda x: jnp.asarray(np.asarray(x)), cache)
     return self._convert_cache(cache, to_sharded=False)
 
   def init_cache(self, num_slots: int, **kwargs) -> LMCache:
-    """``LM.init_cache`` of the unsharded model, sharded."""
-    return self.shard_cache(self.model.init_cache(num_slots, **kwargs))
+    """``LM.init_cache`` of the unsharded model, built sharded (each device allocates its own
+    heads; nothing is built whole on one device)."""
+    if kwargs.get("mtp_drafts"):
+      raise NotImplementedError("init_cache(mtp_drafts>0) on a ShardedLM: the MTP head is not "
+                                "sharded; draft with it on the unsharded LM")
+    build = lambda: self._convert_cache(self.model.init_cache(num_slots, **kwargs), to_sharded=True)
+    abstract = jax.eval_shape(build)
+    shardings = jax.tree.map(lambda _, s: NamedSharding(self.mesh, s), abstract,
+                             self.cache_specs(abstract))
+    return jax.jit(build, out_shardings=shardings)()
 
   # ---- steps ---------------------------------------------------------------------------------
 
   def _step(self, method, cache, n_batch, **static):
     key = (method, tuple(sorted(static.items())), jax.tree.structure(cache))
     if key not in self._steps:
-      in_spec = self._cache_specs(cache)
+      in_spec = self.cache_specs(cache)
       out_spec = self._verify_specs(cache, static["replay"]) if method == "verify" else (
           in_spec.cache if method == "commit" else in_spec)
       self._steps[key] = _sharded_step(self._graphdef, self.mesh, method, static, self._param_specs,
@@ -230,7 +297,7 @@ class ShardedLM:
     window per recurrent layer (None for attention)."""
     windows = tuple(None if isinstance(lc, AttentionLayerCache) else P(None, None, self.axis)
                     for lc in cache.layers)
-    return VerifyStep(cache=self._cache_specs(cache), plan=P(), windows=windows, replay=replay)
+    return VerifyStep(cache=self.cache_specs(cache), plan=P(), windows=windows, replay=replay)
 
   def _run(self, method, cache, batch_args, **static):
     return self._step(method, cache, len(batch_args), **static)(self.params, cache, *batch_args)

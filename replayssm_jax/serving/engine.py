@@ -79,6 +79,13 @@ such a row out of the next step (a padding row there, its slot untouched) while 
 the step, snapshots it; a row so costs one step per block boundary it reaches below max_prompt_len.
 ``preempt`` collects the step in flight first.
 
+Tensor parallel: ``Engine(shard_model(model, mesh))`` runs every program per device under
+``jax.shard_map`` (``MeshLayout``): each device holds its heads' parameters and cache, the
+host-side scheduler is unchanged, and the replicated logits give every device the same tokens,
+those of the unsharded model up to the psums' summation order. MTP drafting needs the unsharded
+LM (the head is not sharded). ``preempt`` writes the unsharded layout; ``resume(mesh=...)``
+shards it again.
+
 Sampling: greedy (temperature 0) or categorical with key ``fold_in(PRNGKey(seed), position)`` per
 request, so tokens never depend on the batch a request shares (speculative draws derive from the
 same per-position key, ``models.sampling``). Stats per request: prompt and
@@ -105,6 +112,7 @@ from replayssm_jax import config as config_lib
 from replayssm_jax.models import sampling
 from replayssm_jax.models.generate import MAX_DRAFTS, ngram_drafts
 from replayssm_jax.models.lm import LM, LMConfig
+from replayssm_jax.models.sharding import MeshLayout, ShardedLM, shard_model
 from replayssm_jax.serving.drafter import NgramDrafter
 
 logger = logging.getLogger(__name__)
@@ -428,22 +436,29 @@ class _Programs:
 
 
 @functools.lru_cache(maxsize=16)
-def _programs(graphdef, treedef) -> _Programs:
-  """One set of programs per (graphdef, parameter treedef), shared by every engine of that model
-  structure (a resumed engine reuses what the first compiled). The graphdef is bound here rather
-  than passed as a static argument: hashing it costs milliseconds (4.5 ms for a 32-layer model on
-  this project's CPU host), which a static argument pays on every call."""
-  bind = lambda impl: functools.partial(impl, graphdef, treedef)
+def _programs(graphdef, treedef, layout: MeshLayout | None = None) -> _Programs:
+  """One set of programs per (graphdef, parameter treedef, mesh layout), shared by every engine of
+  that model structure (a resumed engine reuses what the first compiled). The graphdef is bound
+  here rather than passed as a static argument: hashing it costs milliseconds (4.5 ms for a
+  32-layer model on this project's CPU host), which a static argument pays on every call."""
+
+  def program(impl, replicated_outputs, donate=(1,), static=()):
+    def run(leaves, cache, *args, **options):
+      body = functools.partial(impl, graphdef, treedef, **options)
+      if layout is not None:
+        body = layout.on_mesh(body, replicated_outputs)
+      return body(leaves, cache, *args)
+    return jax.jit(run, donate_argnums=donate, static_argnames=static)
+
   kernel_options = ("replay", "implementation")
   return _Programs(
-      prefill=jax.jit(bind(_prefill_impl), donate_argnames=("cache",), static_argnames=("resume", "mtp")),
-      decode=jax.jit(bind(_decode_impl), donate_argnames=("cache",), static_argnames=kernel_options),
-      verify=jax.jit(bind(_verify_impl), donate_argnames=("cache",),
-                     static_argnames=kernel_options + ("mtp",)),
-      speculate=jax.jit(bind(_speculate_impl), donate_argnames=("cache", "history"),
-                        static_argnames=kernel_options + ("num_tokens", "ngram", "mtp",
-                                                          "prefix_block", "max_prompt_len")),
-      copy=jax.jit(bind(_copy_impl), donate_argnames=("cache",)))
+      prefill=program(_prefill_impl, 1, static=("resume", "mtp")),
+      decode=program(_decode_impl, 1, static=kernel_options),
+      verify=program(_verify_impl, 2, static=kernel_options + ("mtp",)),
+      speculate=program(_speculate_impl, 4, donate=(1, 2),   # the cache and the token history
+                        static=kernel_options + ("num_tokens", "ngram", "mtp", "prefix_block",
+                                                 "max_prompt_len")),
+      copy=program(_copy_impl, 0))
 
 
 class Engine:
@@ -457,12 +472,16 @@ class Engine:
       engine.stats(rid)                   # RequestStats
   """
 
-  def __init__(self, model: LM, config: EngineConfig | None = None, *, _cache=None):
-    if not isinstance(model, LM):
-      raise ValueError(f"model must be a replayssm_jax.models.LM; got {type(model).__name__}")
+  def __init__(self, model: LM | ShardedLM, config: EngineConfig | None = None, *, _cache=None):
+    if not isinstance(model, (LM, ShardedLM)):
+      raise ValueError(f"model must be a replayssm_jax.models.LM or a ShardedLM (shard_model); got "
+                       f"{type(model).__name__}")
     config = EngineConfig() if config is None else config
     if not isinstance(config, EngineConfig):
       raise ValueError(f"config must be an EngineConfig; got {type(config).__name__}")
+    if config.drafter == "mtp" and isinstance(model, ShardedLM):
+      raise NotImplementedError("EngineConfig(drafter='mtp') over a ShardedLM: the MTP head is not "
+                                "sharded; draft with drafter='ngram', or serve the unsharded LM")
     if config.drafter == "mtp" and model.mtp is None:
       raise ValueError("EngineConfig(drafter='mtp') but the model has no multi-token-prediction "
                        "head (LMConfig.mtp_layers=0; load a checkpoint with mtp.* tensors)")
@@ -477,13 +496,14 @@ class Engine:
     if model.config.has_attention and self.max_seq_len < self.max_prompt_len + 1:
       raise ValueError(f"max_seq_len={self.max_seq_len} leaves no room to generate after a prompt "
                        f"of max_prompt_len={self.max_prompt_len} tokens")
-    graphdef, params = nnx.split(model)
+    sharded = isinstance(model, ShardedLM)
+    graphdef, params = model.split() if sharded else nnx.split(model)
     cache = _cache if _cache is not None else _init_cache(model, config, self.max_seq_len)
     # Committed to their devices, as Orbax restores them: jit keys its programs on commitment, so
     # a resumed engine reuses the compiled programs instead of compiling them again.
     self._params, self._cache = _committed(params), _committed(cache)
     self._leaves, treedef = jax.tree.flatten(self._params)
-    self._programs = _programs(graphdef, treedef)
+    self._programs = _programs(graphdef, treedef, model.layout(self._cache) if sharded else None)
     self._requests: dict[str, _Request] = {}
     self._waiting: collections.deque = collections.deque()
     self._running: list[str] = []
@@ -935,12 +955,19 @@ class Engine:
       self._inflight = None
     path = pathlib.Path(directory).absolute()
     path.mkdir(parents=True, exist_ok=True)
+    params, cache, tensor_parallel = self._params, self._cache, None
+    if isinstance(self.model, ShardedLM):
+      # Saved in the unsharded layout (the cache through the host, gathered on no device), so
+      # ``resume`` may shard it over any mesh the heads divide, or not at all.
+      params, cache = nnx.split(self.model.model)[1], self.model.unshard_cache(cache, host=True)
+      tensor_parallel = {"axis": self.model.axis, "size": self.model.tp}
     # A synchronous checkpointer, closed on exit: no background commit thread outlives the call.
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-      ckptr.save(path / "params", args=ocp.args.StandardSave(self._params))
-      ckptr.save(path / "cache", args=ocp.args.StandardSave(self._cache))
+      ckptr.save(path / "params", args=ocp.args.StandardSave(params))
+      ckptr.save(path / "cache", args=ocp.args.StandardSave(cache))
     state = {
         "model_config": self.model.config.to_dict(), "engine_config": dataclasses.asdict(self.config),
+        "tensor_parallel": tensor_parallel,
         "requests": [dataclasses.asdict(r) for r in self._requests.values()],
         "waiting": list(self._waiting), "running": self._running, "free": self._free,
         "snapshots": [[list(k), v] for k, v in self._snapshots.items()],
@@ -951,8 +978,13 @@ class Engine:
     self._closed, self._cache = True, None
 
   @classmethod
-  def resume(cls, directory) -> "Engine":
-    """Rebuilds a preempted engine (model, cache, requests) from ``directory`` and continues."""
+  def resume(cls, directory, *, mesh=None, axis: str | None = None) -> "Engine":
+    """Rebuilds a preempted engine (model, cache, requests) from ``directory`` and continues.
+
+    With ``mesh`` the model and cache are sharded over its axis ``axis`` (``shard_model``; None:
+    the axis the preempted engine used, else "tp"), whatever the preempted engine ran on (the
+    checkpoint is unsharded); without, the engine runs unsharded. Tokens are the same up to the
+    float summation order of the mixers' psums (bit for bit on the same layout)."""
     import orbax.checkpoint as ocp
     path = pathlib.Path(directory).absolute()
     state_file = path / "engine.json"
@@ -968,6 +1000,7 @@ class Engine:
       requests = {r["rid"]: _Request(**r) for r in state["requests"]}
       scheduler = [state[k] for k in ("waiting", "running", "free", "snapshots", "free_snapshots",
                                       "clock", "counters")]
+      saved_axis = (state.get("tensor_parallel") or {}).get("axis", "tp")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
       raise ValueError(f"{state_file} is not a valid engine state written by Engine.preempt "
                        f"({type(e).__name__}: {e})") from None
@@ -979,10 +1012,17 @@ class Engine:
       _check_saved(ckptr, path, "params", abstract_params)
       params = ckptr.restore(path / "params", args=ocp.args.StandardRestore(abstract_params))
       model = nnx.merge(graphdef, params)
+      if mesh is not None:
+        model = shard_model(model, mesh, axis=axis or saved_axis)
+      unsharded = model.model if mesh is not None else model
       max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
-      abstract_cache = jax.eval_shape(lambda: _init_cache(model, config, max_seq_len))
+      abstract_cache = jax.eval_shape(lambda: _init_cache(unsharded, config, max_seq_len))
       _check_saved(ckptr, path, "cache", abstract_cache)
+      if mesh is not None:   # restored on the host, then each device takes its shards
+        abstract_cache = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract_cache)
       cache = ckptr.restore(path / "cache", args=ocp.args.StandardRestore(abstract_cache))
+    # A sharded engine's cache was saved from the host: Orbax restores it as numpy arrays.
+    cache = model.shard_cache(cache) if mesh is not None else jax.tree.map(jnp.asarray, cache)
     engine = cls(model, config, _cache=cache)
     engine._requests = requests
     engine._waiting = collections.deque(waiting)

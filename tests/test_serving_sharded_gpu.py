@@ -1,0 +1,18 @@
+"""GPU-only run of ``serving.Engine`` over a ``ShardedLM`` (marker ``gpu``; skipped on CPU): the
+GPU kernels (GDN, Mamba2, decode attention, MoE grouped matmul) run inside the engine's
+``shard_map`` programs over every GPU the heads divide (one GPU: a one-device mesh), with head
+sizes the kernels take (K = V = 64), and the engine gives the unsharded model's tokens, prefix
+hits and accepted drafts (``tests/test_serving_sharded.py`` runs the same on 4 CPU devices)."""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from tests.test_serving_sharded import engine_checks
+
+pytestmark = pytest.mark.gpu
+
+
+def test_engine_over_a_sharded_model_on_the_gpus():
+  n = max(k for k in (1, 2, 4) if k <= jax.device_count())   # heads split 4 ways at most
+  engine_checks(Mesh(np.array(jax.devices()[:n]), ("tp",)), head_dim=64)
