@@ -163,12 +163,13 @@ def test_decode_parity(state_dtype):
       assert max_err(_np(pools[IMPL])[np.asarray(slots)[live]], s64) <= tol
 
 
-def test_verify_random_accepts_parity():
-  """Speculative verify (T=2, L=4) in lockstep with XLA and float64: staggered and permuted rows,
-  a padding row, short rows with NaN in their padded lanes, random forced flushes and accepts
-  (test_gdn_verify_pallas.Lockstep, GQA Hk=2, Hv=4, K=16, V=32; the Mosaic interpreter's tiles are
-  [16, K])."""
-  _random_accepts(2, 4, 8, impl=IMPL, conventional=False)
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_verify_random_accepts_parity(num_tokens):
+  """Speculative verify (T = 1 and 2, L=4) in lockstep with XLA and float64: staggered and permuted
+  rows, a padding row, short rows with NaN in their padded lanes, random forced flushes and
+  accepts (test_gdn_verify_pallas.Lockstep, GQA Hk=2, Hv=4, K=16, V=32; the Mosaic interpreter's
+  tiles are [16, K]). At T = 1 the one token is the last, whose tile only a flush stores."""
+  _random_accepts(num_tokens, 4, 8, impl=IMPL, conventional=False)
 
 
 def test_verify_forced_flush_with_pending_drafts():

@@ -57,12 +57,14 @@ def test_replay_decode_parity():
   replay_parity(IMPL, 4, "reconstruct", "f32", P, materialize_impl="xla")
 
 
-def test_verify_random_accepts_parity():
-  """Speculative verify (T=2, L=4, 14 steps) in lockstep with XLA and float64
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_verify_random_accepts_parity(num_tokens):
+  """Speculative verify (T = 1 and 2, L=4, 14 steps) in lockstep with XLA and float64
   (test_mamba2_verify_pallas.Twin): staggered rows, a padding row, short rows with NaN in their
-  padded lanes, natural and forced flushes (one with drafts pending), random accepts."""
+  padded lanes, natural and forced flushes (one with drafts pending), random accepts. At T = 1
+  the one token is the last, whose tile only a flush stores."""
   from tests.test_mamba2_verify_pallas import _random_accepts
-  _random_accepts(2, 4, impl=IMPL, conventional=False)
+  _random_accepts(num_tokens, 4, impl=IMPL, conventional=False)
 
 
 def test_verify_long_windows_parity():
