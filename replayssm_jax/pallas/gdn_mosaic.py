@@ -364,7 +364,7 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
 
 
 def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
-                   g_ref, beta_ref, kq_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, *refs,
+                   g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, *refs,
                    scale, group, block_v, ring_size, num_tokens, rows, interpret, **scratch):
   """Program (vt, h, z) verifies batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
   rows ≥ 2 the next row's staging overlaps the current row's work). ``refs``: ([read_copy_ref,]
@@ -393,7 +393,6 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
     s = slots_ref[b]
     gs = [g_ref[b, j, h] for j in range(num_tokens)]
     betas = [beta_ref[b, j, h] for j in range(num_tokens)]
-    kqs = [kq_ref[b, j, hk] for j in range(num_tokens)]
     base, count, n = base_ref[b], count_ref[b], lengths_ref[b]
     valid = s >= 0
     S = _tile_after_window(buf["S_smem"], buf["rk_smem"], buf["ru_smem"], buf["rg_smem"],
@@ -412,13 +411,9 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
       g = jnp.where(live, gs[j].astype(f32), 0.0)
       beta = jnp.where(live, betas[j].astype(f32), 0.0)
       alpha = jnp.exp(g)
-      # Both readouts from the tile before the token: o = (αS + u kᵀ)·q = α S·q + u (k·q), with
-      # k·q (scaled) given per token, so the last token's update is never built.
-      sk, sq = jnp.sum(S * k[None, :], axis=1), jnp.sum(S * q[None, :], axis=1)
-      u = beta * (v - alpha * sk)
-      o = alpha * sq + u * jnp.where(live, kqs[j], 0.0)
-      if j == 0 or j < num_tokens - 1:   # token 0's tile is stored by a flushing row
-        S = alpha * S + u[:, None] * k[None, :]
+      u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
+      S = alpha * S + u[:, None] * k[None, :]
+      o = jnp.sum(S * q[None, :], axis=1)
 
       @pl.when(live)
       def _():
@@ -507,12 +502,6 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
   return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
 
 
-def _scaled_dots(k, q, scale):
-  """scale · (k·q) per token and key head, float32 [B, T, Hk] (an elementwise product and a sum:
-  exact float32, never a TF32 dot)."""
-  return jnp.sum(k.astype(f32) * q.astype(f32), axis=-1) * scale
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
 def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret):
   batch, t, hk = q.shape[:3]
@@ -536,7 +525,7 @@ def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpr
       scratch_types=_buffered_scratch(one, cfg.rows), kernel_name="replayssm_gdn_verify_mosaic",
       interpret=_interpret(interpret),
   )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, q, k, v, g, beta,
-    _scaled_dots(k, q, scale), *refs)
+    *refs)
   state, ring_k, ring_u, ring_g, *read_copy = (jax.freeze(r) for r in refs)
   return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g,
                          **({"read_copy": read_copy[0]} if read_copy else {}))

@@ -81,30 +81,15 @@ def _token(r, dt, h, vec, softplus, live=True):
   return delta * r["A"][h].astype(f32), delta * x, x
 
 
-def _output(r, h, vec, y, x):
-  """(y + D x) · silu(z), the terms given."""
+def _step(r, h, vec, S, dA, dx, x):
+  """(S_t = e^{ΔA} S + Δx Bᵀ, (S_t C + D x) · silu(z)) on a float32 [BP, N] tile."""
+  S = jnp.exp(dA) * S + dx[:, None] * vec("B")[None, :]
+  y = jnp.sum(S * vec("C")[None, :], axis=1)
   if "D" in r:
     y = y + r["D"][h].astype(f32) * x
   if "z" in r:
     y = common.silu_gate(y, vec("z"))
-  return y
-
-
-def _step(r, h, vec, S, dA, dx, x):
-  """(S_t = e^{ΔA} S + Δx Bᵀ, (S_t C + D x) · silu(z)) on a float32 [BP, N] tile."""
-  S = jnp.exp(dA) * S + dx[:, None] * vec("B")[None, :]
-  return S, _output(r, h, vec, jnp.sum(S * vec("C")[None, :], axis=1), x)
-
-
-def _readout_then_step(r, h, vec, S, dA, dx, x, bc, *, update):
-  """``_step`` with y read from the tile before the token: (e^{ΔA} S + Δx Bᵀ)·C = e^{ΔA} S·C +
-  Δx (B·C), with B·C (``bc``) given per token, so a tile no later token reads is never built
-  (``update`` False: S is returned unchanged)."""
-  a = jnp.exp(dA)
-  y = a * jnp.sum(S * vec("C")[None, :], axis=1) + dx * bc
-  if update:
-    S = a * S + dx[:, None] * vec("B")[None, :]
-  return S, _output(r, h, vec, y, x)
+  return S, y
 
 
 def _step_inputs(slots, x, dt, A, B, C, D, z, dt_bias) -> dict:
@@ -250,7 +235,6 @@ def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens
     s = r["slots"][b]
     base, count, n = r["base"][b], r["count"][b], r["lengths"][b]
     dts = [r["dt"][b, j, h] for j in range(num_tokens)]   # a padded lane's dt is masked by Δ = 0
-    bcs = [r["BC"][b, j, g] for j in range(num_tokens)]   # likewise its B·C (by Δx = 0)
     valid = s >= 0
     S = _after_window(buf, buf["bars"], base, count, ring_size)
     _wait_all(buf.get("tok_bars"), sum(name in r for name in _STAGED))
@@ -259,9 +243,7 @@ def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens
       put = (base + count + j) % ring_size
       vec = _token_vectors(r, (b, jnp.where(live, j, 0)), h, g, tile, staged=buf)
       dA, dx, x = _token(r, dts[j], h, vec, softplus, live)
-      # token 0's tile is stored by a flushing row; the last token's is never read
-      S, y = _readout_then_step(r, h, vec, S, dA, dx, x, jnp.where(live, bcs[j], 0.0),
-                                update=j == 0 or j < num_tokens - 1)
+      S, y = _step(r, h, vec, S, dA, dx, x)
 
       @pl.when(live)
       def _():
@@ -348,10 +330,7 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
   batch, t, h, p = x.shape
   bp = cfg.block_v
   inputs = {**_step_inputs(plan.slots, x, dt, A, B, C, D, z, dt_bias), "base": plan.base,
-            "count": plan.count, "flush": plan.flush.astype(jnp.int32), "lengths": lengths,
-            # B·C per token and group, float32 [B, T, G]: an elementwise product and a sum (exact
-            # float32, never a TF32 dot)
-            "BC": jnp.sum(B.astype(f32) * C.astype(f32), axis=-1)}
+            "count": plan.count, "flush": plan.flush.astype(jnp.int32), "lengths": lengths}
   names = ("state", "ring_x", "ring_B", "ring_a") + (() if bufs.read_copy is None else ("read_copy",))
   refs = [jax.new_ref(getattr(bufs, k)) for k in names]   # written Refs: updated in place
   tokens = _token_scratch(inputs, t, bp)
