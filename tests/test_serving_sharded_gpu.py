@@ -1,8 +1,9 @@
 """GPU-only run of ``serving.Engine`` over a ``ShardedLM`` (marker ``gpu``; skipped on CPU): the
-GPU kernels (GDN, Mamba2, decode attention, MoE grouped matmul) run inside the engine's
-``shard_map`` programs over every GPU the heads divide (one GPU: a one-device mesh), with head
-sizes the kernels take (K = V = 64), and the engine gives the unsharded model's tokens, prefix
-hits and accepted drafts (``tests/test_serving_sharded.py`` runs the same on 4 CPU devices)."""
+kernels ``implementation=None`` picks on the GPU run inside the engine's ``shard_map`` programs
+over up to 4 GPUs (one GPU: a one-device mesh), at head sizes the GPU kernels take (K = V = 64),
+and the engine gives the unsharded model's tokens, prefix hits and accepted drafts
+(``tests/test_serving_sharded.py`` runs the same on 4 CPU devices). Passed on one H100,
+2026-12-06."""
 import jax
 import numpy as np
 import pytest
