@@ -58,6 +58,7 @@ def engine_checks(mesh, *, head_dim=8, resume_dir=None):
   """The checks of the module docstring over ``mesh`` (axis "tp", size dividing 4), at head size
   ``head_dim``; the preempt/resume checks with ``resume_dir``."""
   import jax
+  from flax import nnx
 
   from bench.engine_spec import looping_model
   from replayssm_jax.models import LMConfig, make_model, shard_model
@@ -76,7 +77,10 @@ def engine_checks(mesh, *, head_dim=8, resume_dir=None):
       num_k_heads=4, num_v_heads=8, head_k_dim=d, head_v_dim=d, mamba2_num_heads=8,
       mamba2_head_dim=d, mamba2_num_groups=4, mamba2_state_dim=d, max_prompt_len=16, mtp_layers=1)
   model = looping_model(make_model(config, seed=0), mixer_scale=0.05)   # greedy cycles: drafts hit
-  sharded = shard_model(model, mesh, axis="tp")
+  # Sharded from host copies of the parameters, as load_pretrained(mesh=...) does: preempt then
+  # saves numpy arrays, which an unsharded resume must turn into device arrays.
+  graphdef, params = nnx.split(model)
+  sharded = shard_model(nnx.merge(graphdef, jax.tree.map(np.asarray, params)), mesh, axis="tp")
   tp = mesh.shape["tp"]
 
   rng = np.random.RandomState(0)

@@ -14,7 +14,8 @@ psum's summation order), greedy tokens identical, and every cache array (checkpo
 states, KV caches, cursor, positions) equal after unsharding. Then speculative verify + commit
 (T = 3, short rows, random accepted counts, a forced flush), ReplaySSM and conventional (state
 stacks): logits of the real lanes and every cache array equal. ``generate`` over the sharded
-model gives the unsharded model's tokens and stats (greedy, speculative, sampled).
+model gives the unsharded model's tokens and stats (greedy, speculative, sampled), and
+``load_pretrained(mesh=...)`` loads transformers fixtures straight into shards.
 """
 import pathlib
 import subprocess
@@ -42,6 +43,7 @@ def _check():
                mamba2_num_groups=4, max_prompt_len=16)
   _check_model(LMConfig.tiny_hybrid(num_layers=2, **heads))
   _check_generate(LMConfig.tiny_hybrid(num_layers=2, **heads))
+  _check_load_pretrained()
   attention = AttentionConfig(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=4, qk_norm=True,
                               norm_offset=1.0, output_gate=True, scale=0.125)
   moe = MoEConfig(hidden_size=64, num_experts=8, top_k=2, expert_intermediate_size=16,
@@ -159,6 +161,32 @@ def _check_generate(config):
     assert "ShardedLM" in str(e), e
   else:
     raise AssertionError("drafter='mtp' over a ShardedLM was accepted")
+
+
+def _check_load_pretrained():
+  """``load_pretrained(mesh=...)`` of two committed transformers fixtures (2 key / KV heads and
+  groups: a 2-device mesh) gives a ShardedLM whose unsharded model holds host arrays only, with
+  the unsharded load's prefill logits."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import Mesh
+
+  from replayssm_jax.models import ShardedLM, load_pretrained
+
+  mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+  for name in ("qwen3_next", "nemotron_h"):
+    path = ROOT / "tests" / "data" / "hf" / name
+    model, config = load_pretrained(path, max_prompt_len=16)
+    sharded, _ = load_pretrained(path, max_prompt_len=16, mesh=mesh)
+    assert isinstance(sharded, ShardedLM), type(sharded)
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(nnx.state(sharded.model))), name
+    assert {len(x.sharding.device_set) for x in jax.tree.leaves(sharded.params)} == {2}, name
+    tokens = jnp.asarray(np.random.RandomState(0).randint(1, config.vocab_size, (2, 16)), jnp.int32)
+    slots, lengths = jnp.array([0, 1], jnp.int32), jnp.array([16, 9], jnp.int32)
+    ref, _ = model.prefill(tokens, model.init_cache(2, buffer_len=4, max_len=32), slots, lengths)
+    got, _ = sharded.prefill(tokens, sharded.init_cache(2, buffer_len=4, max_len=32), slots, lengths)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=ATOL, rtol=0, err_msg=name)
 
 
 def test_sharded_equals_unsharded_on_4_devices():

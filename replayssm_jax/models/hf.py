@@ -176,6 +176,7 @@ from flax import nnx
 from replayssm_jax.models.attention import AttentionConfig
 from replayssm_jax.models.lm import LM, LMConfig
 from replayssm_jax.models.moe import granite_moe_params, hf_moe_params, moe_config_from_hf
+from replayssm_jax.models.sharding import shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,8 @@ NEMOTRON_LEGACY_KEYS = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kern
                         "mamba_proj_bias": "use_bias"}
 
 
-def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128):
+def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128, mesh=None,
+                    axis: str = "tp"):
   """Builds an LM from a local Hugging Face checkpoint directory.
 
   Args:
@@ -206,9 +208,12 @@ def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128):
     dtype: parameter / activation dtype of the model (float32, bfloat16 or float16); tensors are
       cast to it (A_log, dt_bias, D and MoE routers stay float32).
     max_prompt_len: longest prompt ``generate`` and the serving engine accept.
+    mesh: a ``jax.sharding.Mesh``: the model is sharded over its axis ``axis`` (``shard_model``)
+      straight from the host, each device receiving only its shards, so no device ever holds
+      the whole model (the unsharded LM inside the ShardedLM keeps host numpy arrays).
 
   Returns:
-    (model: LM, config: LMConfig).
+    (model: LM, or ShardedLM with ``mesh``; config: LMConfig).
   """
   path = pathlib.Path(path)
   if not (path / "config.json").is_file():
@@ -228,12 +233,12 @@ def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128):
   values = _convert(hf, family, config, tensors)
   model = nnx.eval_shape(lambda: LM(config, rngs=nnx.Rngs(0)))
   for target, value in values.items():
-    _assign(model, target, value)
+    _assign(model, target, value, host=mesh is not None)
   unset = [jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
-           if not isinstance(x, jax.Array)]
+           if not isinstance(x, (jax.Array, np.ndarray))]
   if unset:  # a mapping bug, not a checkpoint problem
     raise AssertionError(f"parameters left unset by the mapping: {unset}")
-  return model, config
+  return (model if mesh is None else shard_model(model, mesh, axis=axis)), config
 
 
 # ---- reading -------------------------------------------------------------------------------
@@ -857,8 +862,9 @@ def _mamba2(t: _Tensors, src: str, dst: str, c: LMConfig, conv_bias: bool) -> di
   } | ({} if m.norm == "none" else {dst + "norm_weight": t.take(src + "norm.weight", (m.inner_dim,))})
 
 
-def _assign(model: LM, target: str, value: np.ndarray) -> None:
-  """Sets the parameter at dotted path ``target`` (e.g. ``blocks.0.mixer.A_log``)."""
+def _assign(model: LM, target: str, value: np.ndarray, *, host: bool = False) -> None:
+  """Sets the parameter at dotted path ``target`` (e.g. ``blocks.0.mixer.A_log``): a device array,
+  or with ``host`` a numpy array (``shard_model`` places its shards)."""
   obj = model
   *parents, leaf = target.split(".")
   for part in parents:
@@ -866,4 +872,4 @@ def _assign(model: LM, target: str, value: np.ndarray) -> None:
   var = getattr(obj, leaf)
   if tuple(var.shape) != value.shape:  # a mapping bug, not a checkpoint problem
     raise AssertionError(f"{target}: converted shape {value.shape} != parameter shape {var.shape}")
-  var.set_value(jnp.asarray(value, var.dtype))
+  var.set_value(np.asarray(value).astype(var.dtype) if host else jnp.asarray(value, var.dtype))

@@ -1007,10 +1007,13 @@ class Engine:
     waiting, running, free, snapshots, free_snapshots, clock, counters = scheduler
     abstract = nnx.eval_shape(lambda: LM(model_config, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
+    host = mesh is not None   # restored on the host: each device then takes only its shards
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
       # Compared before restoring: a restore that fails part-way leaves Orbax's reads pending.
       _check_saved(ckptr, path, "params", abstract_params)
-      params = ckptr.restore(path / "params", args=ocp.args.StandardRestore(abstract_params))
+      params = ckptr.restore(path / "params", args=ocp.args.StandardRestore(_targets(abstract_params, host)))
+      if not host:   # what a sharded engine saved from the host, Orbax restores as numpy arrays
+        params = jax.tree.map(jnp.asarray, params)
       model = nnx.merge(graphdef, params)
       if mesh is not None:
         model = shard_model(model, mesh, axis=axis or saved_axis)
@@ -1018,11 +1021,8 @@ class Engine:
       max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
       abstract_cache = jax.eval_shape(lambda: _init_cache(unsharded, config, max_seq_len))
       _check_saved(ckptr, path, "cache", abstract_cache)
-      if mesh is not None:   # restored on the host, then each device takes its shards
-        abstract_cache = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract_cache)
-      cache = ckptr.restore(path / "cache", args=ocp.args.StandardRestore(abstract_cache))
-    # A sharded engine's cache was saved from the host: Orbax restores it as numpy arrays.
-    cache = model.shard_cache(cache) if mesh is not None else jax.tree.map(jnp.asarray, cache)
+      cache = ckptr.restore(path / "cache", args=ocp.args.StandardRestore(_targets(abstract_cache, host)))
+    cache = model.shard_cache(cache) if host else jax.tree.map(jnp.asarray, cache)
     engine = cls(model, config, _cache=cache)
     engine._requests = requests
     engine._waiting = collections.deque(waiting)
@@ -1057,6 +1057,12 @@ def _check_saved(ckptr, path, what: str, abstract) -> None:
       raise ValueError(f"{path}: the saved {what} does not match the model and engine config of "
                        f"its engine.json (written by another version of replayssm_jax?): {leaf} "
                        f"saved as {saved.get(leaf)}, expected {expected.get(leaf)} (shape, dtype)")
+
+
+def _targets(abstract, host: bool):
+  """Orbax restore targets: ``abstract`` (device arrays), or with ``host`` numpy arrays of its
+  shapes and dtypes (Orbax then restores on the host)."""
+  return jax.tree.map(lambda x: np.empty(x.shape, x.dtype), abstract) if host else abstract
 
 
 def _committed(tree):
