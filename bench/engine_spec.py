@@ -47,6 +47,7 @@ so a near-tie can flip an argmax; the smoke run, float32 throughout on CPU, must
     python -m bench.engine_spec --preset qwen3.5-4b --model looping --batches 256
     python -m bench.engine_spec --prompts shared --prefix-block 64 --arms decode-replay,decode-replay-overlap
     python -m bench.engine_spec --smoke        # CPU: the tiny Qwen3.5 (MTP) checkpoint's shape, B = 2
+    python -m bench.engine_spec --tp 4 --arms decode-replay,decode-replay-overlap,spec-replay-overlap
 """
 import argparse
 import dataclasses
@@ -57,10 +58,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from bench import common
 from bench.model_e2e import model_config
-from replayssm_jax.models import make_model
+from replayssm_jax.models import make_model, shard_model
 from replayssm_jax.serving import Engine, EngineConfig
 
 # name: (drafter, or None for plain decode; replay; overlap; read copy)
@@ -200,16 +202,20 @@ def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_
 
 def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_tokens, prompt_len,
         phrase, reps, buffer_len, ring_dtype, arms=DEFAULT_ARMS, prefill_tokens=8192, shared_len=None,
-        prefix_block=0, prefix_slots=None, on_arm=None):
+        prefix_block=0, prefix_slots=None, tp=1, on_arm=None):
   """Every arm of ``arms`` (keys of ARMS; the first is the token baseline) on every batch and
-  prompt set; ``on_arm(result so far)`` after each arm. ``prefix_slots`` None: one per request."""
+  prompt set; ``on_arm(result so far)`` after each arm. ``prefix_slots`` None: one per request.
+  ``tp`` > 1: the engine serves the model sharded over the first ``tp`` devices (``shard_model``)."""
   config = model_config(name)
   model = make_model(config, seed=0)
   if model_kind == "looping":
     model = looping_model(model, mixer_scale=looping_scale)
-  common.log(f"{name} ({model_kind} weights): {config.num_layers} layers, vocabulary {config.vocab_size}")
+  if tp > 1:
+    model = shard_model(model, Mesh(np.array(jax.devices()[:tp]), ("tp",)), axis="tp")
+  common.log(f"{name} ({model_kind} weights): {config.num_layers} layers, vocabulary "
+             f"{config.vocab_size}, tensor parallel over {tp} device(s)")
   rows = []
-  result = {"preset": name, "model": model_kind, "config": config.to_dict(), "rows": rows}
+  result = {"preset": name, "model": model_kind, "config": config.to_dict(), "tp": tp, "rows": rows}
   for batch in batches:
     sets = prompt_sets(prompt_names, batch=batch, length=prompt_len, phrase=phrase,
                        vocab=config.vocab_size, shared_len=shared_len)
@@ -295,6 +301,8 @@ def main(argv=None) -> dict:
   p.add_argument("--prefix-block", type=int, default=0, help="EngineConfig.prefix_block (0: off)")
   p.add_argument("--prefix-slots", type=int, default=None,
                  help="EngineConfig.prefix_slots with --prefix-block (default: one per request)")
+  p.add_argument("--tp", type=int, default=1,
+                 help="devices to shard the model's heads over (shard_model; no MTP arm)")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out-json", default=None)
   p.add_argument("--plot", default=None, help="write the tokens/s plot (PNG) here")
@@ -312,6 +320,10 @@ def main(argv=None) -> dict:
   arms = tuple(args.arms.split(","))
   if not arms or any(a not in ARMS for a in arms):
     p.error(f"--arms={args.arms!r}; expected a comma-separated subset of {', '.join(ARMS)}")
+  if not 1 <= args.tp <= jax.device_count():
+    p.error(f"--tp {args.tp}; expected 1 to the {jax.device_count()} device(s) present")
+  if args.tp > 1 and any(ARMS[a][0] == "mtp" for a in arms):
+    p.error(f"--tp {args.tp} with an MTP arm ({args.arms}); the MTP head drafts on one device only")
   meta = common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.engine_spec")
   save = lambda result: args.out_json and common.write_json(args.out_json, {"meta": meta, "result": result})
   result = run(args.preset, model_kind=args.model, looping_scale=args.looping_scale, prompt_names=args.prompts.split(","),
@@ -320,7 +332,8 @@ def main(argv=None) -> dict:
                reps=args.reps, buffer_len=args.buffer_len,
                ring_dtype=None if args.ring_dtype == "none" else args.ring_dtype, arms=arms,
                prefill_tokens=args.prefill_tokens, shared_len=args.shared_len,
-               prefix_block=args.prefix_block, prefix_slots=args.prefix_slots, on_arm=save)
+               prefix_block=args.prefix_block, prefix_slots=args.prefix_slots, tp=args.tp,
+               on_arm=save)
   print(_table(result))
   out = {"meta": meta, "result": result}
   save(result)

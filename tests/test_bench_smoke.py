@@ -358,6 +358,25 @@ def test_tp_decode_smoke(tmp_path):
     assert r["tokens_identical"] and r["cache_max_abs_diff"] < 1e-4 and r["devices"] == 2, r
 
 
+def test_engine_spec_tp_smoke(tmp_path):
+  """bench.engine_spec --tp 2 on 2 CPU host devices (a subprocess, as above): the engine serves the
+  sharded model, every arm's greedy tokens equal the first arm's, the drafts get accepted."""
+  import pathlib
+  import subprocess
+  import sys
+  out = tmp_path / "tp.json"
+  env = with_xla_flags("--xla_force_host_platform_device_count=2")
+  subprocess.run([sys.executable, "-m", "bench.engine_spec", "--smoke", "--model", "looping", "--tp", "2",
+                  "--prompts", "repetitive", "--arms", "decode-replay,decode-replay-overlap,spec-replay-overlap",
+                  "--out-json", str(out)],
+                 cwd=pathlib.Path(__file__).resolve().parent.parent, env=env, check=True, timeout=900)
+  result = json.loads(out.read_text())["result"]
+  assert result["tp"] == 2 and len(result["rows"]) == 3
+  for row in result["rows"]:
+    assert row["identical_to_baseline"] == 1.0, row
+  assert result["rows"][-1]["accepted"] > 0, result["rows"][-1]
+
+
 def test_model_trace_sums_stream_kernels_per_step():
   """bench.model_trace's parser: complete events on GPU stream threads only, summed by name and
   divided by the steps (host threads and metadata ignored)."""
