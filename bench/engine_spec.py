@@ -202,18 +202,19 @@ def run_arm(model, arm, prompts, *, batch, drafts, new_tokens, buffer_len, ring_
 
 def run(name, *, model_kind, looping_scale, prompt_names, batches, drafts, new_tokens, prompt_len,
         phrase, reps, buffer_len, ring_dtype, arms=DEFAULT_ARMS, prefill_tokens=8192, shared_len=None,
-        prefix_block=0, prefix_slots=None, tp=1, on_arm=None):
+        prefix_block=0, prefix_slots=None, tp=0, on_arm=None):
   """Every arm of ``arms`` (keys of ARMS; the first is the token baseline) on every batch and
   prompt set; ``on_arm(result so far)`` after each arm. ``prefix_slots`` None: one per request.
-  ``tp`` > 1: the engine serves the model sharded over the first ``tp`` devices (``shard_model``)."""
+  ``tp`` >= 1: the engine serves the model sharded over the first ``tp`` devices (``shard_model``;
+  1: a one-device mesh, the sharded path's own cost); 0: the unsharded LM."""
   config = model_config(name)
   model = make_model(config, seed=0)
   if model_kind == "looping":
     model = looping_model(model, mixer_scale=looping_scale)
-  if tp > 1:
+  if tp:
     model = shard_model(model, Mesh(np.array(jax.devices()[:tp]), ("tp",)), axis="tp")
   common.log(f"{name} ({model_kind} weights): {config.num_layers} layers, vocabulary "
-             f"{config.vocab_size}, tensor parallel over {tp} device(s)")
+             f"{config.vocab_size}" + (f", sharded over {tp} device(s)" if tp else ""))
   rows = []
   result = {"preset": name, "model": model_kind, "config": config.to_dict(), "tp": tp, "rows": rows}
   for batch in batches:
@@ -301,8 +302,9 @@ def main(argv=None) -> dict:
   p.add_argument("--prefix-block", type=int, default=0, help="EngineConfig.prefix_block (0: off)")
   p.add_argument("--prefix-slots", type=int, default=None,
                  help="EngineConfig.prefix_slots with --prefix-block (default: one per request)")
-  p.add_argument("--tp", type=int, default=1,
-                 help="devices to shard the model's heads over (shard_model; no MTP arm)")
+  p.add_argument("--tp", type=int, default=0,
+                 help="devices to shard the model's heads over (shard_model; 1: a one-device mesh; "
+                      "0: unsharded; no MTP arm when sharded)")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--out-json", default=None)
   p.add_argument("--plot", default=None, help="write the tokens/s plot (PNG) here")
@@ -320,9 +322,9 @@ def main(argv=None) -> dict:
   arms = tuple(args.arms.split(","))
   if not arms or any(a not in ARMS for a in arms):
     p.error(f"--arms={args.arms!r}; expected a comma-separated subset of {', '.join(ARMS)}")
-  if not 1 <= args.tp <= jax.device_count():
-    p.error(f"--tp {args.tp}; expected 1 to the {jax.device_count()} device(s) present")
-  if args.tp > 1 and any(ARMS[a][0] == "mtp" for a in arms):
+  if not 0 <= args.tp <= jax.device_count():
+    p.error(f"--tp {args.tp}; expected 0 to the {jax.device_count()} device(s) present")
+  if args.tp and any(ARMS[a][0] == "mtp" for a in arms):
     p.error(f"--tp {args.tp} with an MTP arm ({args.arms}); the MTP head drafts on one device only")
   meta = common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.engine_spec")
   save = lambda result: args.out_json and common.write_json(args.out_json, {"meta": meta, "result": result})
