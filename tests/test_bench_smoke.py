@@ -366,9 +366,9 @@ def test_engine_spec_tp_smoke(tmp_path):
   import sys
   out = tmp_path / "tp.json"
   env = with_xla_flags("--xla_force_host_platform_device_count=2")
+  arms = "decode-replay,decode-replay-overlap,spec-replay-overlap"
   subprocess.run([sys.executable, "-m", "bench.engine_spec", "--smoke", "--model", "looping", "--tp", "2",
-                  "--prompts", "repetitive", "--arms", "decode-replay,decode-replay-overlap,spec-replay-overlap",
-                  "--out-json", str(out)],
+                  "--prompts", "repetitive", "--arms", arms, "--out-json", str(out)],
                  cwd=pathlib.Path(__file__).resolve().parent.parent, env=env, check=True, timeout=900)
   result = json.loads(out.read_text())["result"]
   assert result["tp"] == 2 and len(result["rows"]) == 3

@@ -347,7 +347,8 @@ def test_boundary_rule_is_one_rule_on_host_and_device():
     host = [(int(engine_module._draft_limit(int(a), int(d), int(r), **rule)),
              bool(engine_module._on_boundary(int(a), **rule))) for a, d, r in zip(n, drafts, remaining)]
     assert host == list(zip(limit.tolist(), boundary.tolist())), rule
-    # What the rule is: no run passes the budget or, with a block, the next boundary below max_prompt_len.
+    # What the rule is: no run passes the budget nor, with a block, the next boundary below
+    # max_prompt_len.
     for (k, at), a, d, r in zip(host, n, drafts, remaining):
       assert 0 <= k <= min(d, max(r - 1, 0))
       nxt = -(-a // block) * block if block else None

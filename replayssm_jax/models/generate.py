@@ -1,10 +1,11 @@
 """Jitted generation: prefill plus a ``lax.while_loop`` of decode steps in ONE ``jax.jit``.
 
 ``nnx.split`` runs outside the jit and ``nnx.merge`` inside; the cache is created outside and
-donated. A ``ShardedLM`` runs the same body per device (``MeshLayout.on_mesh``). Prompts are padded to ``config.max_prompt_len`` and every cursor value is traced data,
-so one compilation serves any prompts, prompt lengths and cursor phases for a given batch size
-and static options (max_new_tokens, replay, temperature, stop_tokens, buffer_len, implementation,
-speculative, ngram).
+donated (a ``ShardedLM`` runs the same body per device, ``MeshLayout.on_mesh``). Prompts are
+padded to ``config.max_prompt_len`` and every cursor value is traced data, so one compilation
+serves any prompts, prompt lengths and cursor phases for a given batch size and static options
+(max_new_tokens, replay, temperature, stop_tokens, buffer_len, implementation, speculative,
+ngram).
 
 Speculative mode (``speculative=k``): each loop step drafts k tokens per row with an n-gram
 lookup over the row's prompt + generated tokens, runs the last emitted token and the drafts
@@ -209,7 +210,8 @@ def _as_int(name, value, lo):
   return int(value)
 
 
-def generate(model: LM | ShardedLM, prompts, lengths, *, max_new_tokens, replay=True, temperature=0.0,
+def generate(model: LM | ShardedLM, prompts, lengths, *, max_new_tokens, replay=True,
+             temperature=0.0,
              stop_tokens=(), seed=0, buffer_len=None, implementation=None, speculative=0, ngram=2,
              drafter="ngram", return_stats=False):
   """Generates ``max_new_tokens`` tokens per row after right-padded prompts.
@@ -320,7 +322,7 @@ def generate(model: LM | ShardedLM, prompts, lengths, *, max_new_tokens, replay=
   layout = model.layout(cache) if isinstance(model, ShardedLM) else None
   tokens, num, stats, _ = _generate_jit(
       graphdef, treedef, leaves, cache, jnp.asarray(padded), jnp.asarray(lengths_np),
-      jax.random.PRNGKey(seed), layout=layout, max_new_tokens=max_new_tokens, replay=bool(replay), temperature=float(temperature),
-      stop_tokens=stop_tokens, implementation=implementation, speculative=speculative,
-      ngram=ngram, drafter=drafter)
+      jax.random.PRNGKey(seed), layout=layout, max_new_tokens=max_new_tokens, replay=bool(replay),
+      temperature=float(temperature), stop_tokens=stop_tokens, implementation=implementation,
+      speculative=speculative, ngram=ngram, drafter=drafter)
   return (tokens, num, stats) if return_stats else (tokens, num)

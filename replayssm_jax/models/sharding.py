@@ -73,8 +73,9 @@ class MeshLayout:
     def run(leaves, cache_in, *args):
       out_specs = (P(),) * replicated_outputs + (cache,) if replicated_outputs else cache
       # check_vma=False as in _sharded_step: scans carry head-sharded values from replicated zeros.
-      return jax.shard_map(body, mesh=self.mesh, in_specs=(list(self.param_specs), cache) + (P(),) * len(args),
-                           out_specs=out_specs, check_vma=False)(list(leaves), cache_in, *args)
+      in_specs = (list(self.param_specs), cache) + (P(),) * len(args)
+      return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)(list(leaves), cache_in, *args)
     return run
 
 

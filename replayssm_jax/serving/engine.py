@@ -1011,7 +1011,8 @@ class Engine:
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
       # Compared before restoring: a restore that fails part-way leaves Orbax's reads pending.
       _check_saved(ckptr, path, "params", abstract_params)
-      params = ckptr.restore(path / "params", args=ocp.args.StandardRestore(_targets(abstract_params, host)))
+      params = ckptr.restore(path / "params",
+                             args=ocp.args.StandardRestore(_targets(abstract_params, host)))
       if not host:   # what a sharded engine saved from the host, Orbax restores as numpy arrays
         params = jax.tree.map(jnp.asarray, params)
       model = nnx.merge(graphdef, params)
@@ -1021,7 +1022,8 @@ class Engine:
       max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
       abstract_cache = jax.eval_shape(lambda: _init_cache(unsharded, config, max_seq_len))
       _check_saved(ckptr, path, "cache", abstract_cache)
-      cache = ckptr.restore(path / "cache", args=ocp.args.StandardRestore(_targets(abstract_cache, host)))
+      cache = ckptr.restore(path / "cache",
+                            args=ocp.args.StandardRestore(_targets(abstract_cache, host)))
     cache = model.shard_cache(cache) if host else jax.tree.map(jnp.asarray, cache)
     engine = cls(model, config, _cache=cache)
     engine._requests = requests
