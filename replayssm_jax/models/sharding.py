@@ -65,14 +65,19 @@ class MeshLayout:
   cache_specs: tuple
   cache_treedef: jax.tree_util.PyTreeDef
 
-  def on_mesh(self, body, replicated_outputs: int):
+  def on_mesh(self, body, replicated_outputs: int, *, out_cache=None):
     """``body(param_leaves, cache, *args)`` → the same function run per device; ``body`` returns
-    ``replicated_outputs`` replicated values, then the cache (only the cache when 0)."""
+    ``replicated_outputs`` replicated values, then the cache (only the cache when 0), whose specs
+    are ``out_cache`` where they differ from the input's (``LM.verify`` returns a VerifyStep,
+    ``LM.commit`` takes one)."""
     cache = jax.tree.unflatten(self.cache_treedef, self.cache_specs)
+    out = cache if out_cache is None else out_cache
 
     def run(leaves, cache_in, *args):
-      out_specs = (P(),) * replicated_outputs + (cache,) if replicated_outputs else cache
-      # check_vma=False as in _sharded_step: scans carry head-sharded values from replicated zeros.
+      out_specs = (P(),) * replicated_outputs + (out,) if replicated_outputs else out
+      # check_vma=False: the scans of the reference ops start from invariant zeros and carry
+      # head-sharded (varying) values; the logits are replicated by construction (psum, then
+      # replicated MLP and head).
       in_specs = (list(self.param_specs), cache) + (P(),) * len(args)
       return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                            check_vma=False)(list(leaves), cache_in, *args)
@@ -275,22 +280,25 @@ class ShardedLM:
     if kwargs.get("mtp_drafts"):
       raise NotImplementedError("init_cache(mtp_drafts>0) on a ShardedLM: the MTP head is not "
                                 "sharded; draft with it on the unsharded LM")
-    build = lambda: self._convert_cache(self.model.init_cache(num_slots, **kwargs), to_sharded=True)
-    abstract = jax.eval_shape(build)
-    shardings = jax.tree.map(lambda _, s: NamedSharding(self.mesh, s), abstract,
-                             self.cache_specs(abstract))
-    return jax.jit(build, out_shardings=shardings)()
+    key = ("init_cache", num_slots, tuple(sorted(kwargs.items())))
+    if key not in self._steps:   # compiled once per pool shape, as the steps are
+      build = lambda: self._convert_cache(self.model.init_cache(num_slots, **kwargs), to_sharded=True)
+      abstract = jax.eval_shape(build)
+      shardings = jax.tree.map(lambda _, s: NamedSharding(self.mesh, s), abstract,
+                               self.cache_specs(abstract))
+      self._steps[key] = jax.jit(build, out_shardings=shardings)
+    return self._steps[key]()
 
   # ---- steps ---------------------------------------------------------------------------------
 
-  def _step(self, method, cache, n_batch, **static):
+  def _step(self, method, cache, **static):
     key = (method, tuple(sorted(static.items())), jax.tree.structure(cache))
     if key not in self._steps:
       in_spec = self.cache_specs(cache)
       out_spec = self._verify_specs(cache, static["replay"]) if method == "verify" else (
           in_spec.cache if method == "commit" else in_spec)
-      self._steps[key] = _sharded_step(self._graphdef, self.mesh, method, static, self._param_specs,
-                                       in_spec, out_spec, n_batch)
+      self._steps[key] = _sharded_step(self._graphdef, jax.tree.structure(self.params),
+                                       self.layout(cache), method, static, out_spec)
     return self._steps[key]
 
   def _verify_specs(self, cache, replay):
@@ -301,14 +309,14 @@ class ShardedLM:
     return VerifyStep(cache=self.cache_specs(cache), plan=P(), windows=windows, replay=replay)
 
   def _run(self, method, cache, batch_args, **static):
-    return self._step(method, cache, len(batch_args), **static)(self.params, cache, *batch_args)
+    return self._step(method, cache, **static)(self.params, cache, *batch_args)
 
   def decode_step(self, cache, *, replay=True, implementation=None):
     """The jitted ``f(params, cache, tokens, slots, force_flush) → (logits, cache)`` behind
     ``decode``, for decode loops inside an outer ``jax.jit``: pass ``self.params`` as an argument
     (closing over them would embed every weight in the program as a constant). ``cache`` gives
     the layout (shapes only)."""
-    return self._step("decode", cache, 3, replay=replay, implementation=implementation)
+    return self._step("decode", cache, replay=replay, implementation=implementation)
 
   def prefill(self, tokens, cache, slots, lengths, *, resume=False):
     """``LM.prefill`` on the mesh: (logits [B, T, vocab] replicated, sharded cache)."""
@@ -340,13 +348,13 @@ class ShardedLM:
     return self._run("commit", step, (num_accepted,))
 
 
-def _sharded_step(graphdef, mesh, method, static, param_specs, in_spec, out_spec, n_batch):
-  """jit(shard_map(an LM method of the per-device model)): ``f(params, cache or step, *batch)``,
-  the second argument donated; ``in_spec`` / ``out_spec`` its and the returned cache's (or
-  step's) PartitionSpecs."""
+def _sharded_step(graphdef, treedef, layout, method, static, out_spec):
+  """jit(an LM method of the per-device model, on ``layout``'s mesh): ``f(params, cache or step,
+  *batch)``, the second argument donated; ``out_spec`` the returned cache's (or step's)
+  PartitionSpecs."""
 
-  def body(params, cache, *batch):
-    model = nnx.merge(graphdef, params)
+  def body(leaves, cache, *batch):
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     if method == "prefill":
       tokens, slots, lengths = batch
       return model.prefill(tokens, cache, slots, lengths, **static)
@@ -359,13 +367,9 @@ def _sharded_step(graphdef, mesh, method, static, param_specs, in_spec, out_spec
     tokens, slots, force = batch
     return model.decode(tokens, cache, slots, force_flush=force, **static)
 
-  # check_vma=False: the scans of the reference ops start from invariant zeros and carry
-  # head-sharded (varying) values; the logits are replicated by construction (psum, then
-  # replicated MLP and head).
-  out_specs = out_spec if method == "commit" else (P(), out_spec)
-  f = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, in_spec) + (P(),) * n_batch,
-                    out_specs=out_specs, check_vma=False)
-  return jax.jit(f, donate_argnums=(1,))
+  run = layout.on_mesh(body, 0 if method == "commit" else 1, out_cache=out_spec)
+  return jax.jit(lambda params, cache, *batch: run(jax.tree.leaves(params), cache, *batch),
+                 donate_argnums=(1,))
 
 
 def shard_model(model: LM, mesh, *, axis: str = "tp") -> ShardedLM:

@@ -1015,10 +1015,8 @@ class Engine:
                              args=ocp.args.StandardRestore(_targets(abstract_params, host)))
       if not host:   # what a sharded engine saved from the host, Orbax restores as numpy arrays
         params = jax.tree.map(jnp.asarray, params)
-      model = nnx.merge(graphdef, params)
-      if mesh is not None:
-        model = shard_model(model, mesh, axis=axis or saved_axis)
-      unsharded = model.model if mesh is not None else model
+      unsharded = nnx.merge(graphdef, params)
+      model = shard_model(unsharded, mesh, axis=axis or saved_axis) if host else unsharded
       max_seq_len = config.max_seq_len or (config.max_prompt_len or model_config.max_prompt_len) + 1024
       abstract_cache = jax.eval_shape(lambda: _init_cache(unsharded, config, max_seq_len))
       _check_saved(ckptr, path, "cache", abstract_cache)
