@@ -92,7 +92,7 @@ def _compare(model, sharded, one_device, replay, prompts, lengths, steps, batch,
 
 
 def measure_sharded(sharded, batch, *, replay, buffer_len, reps, rep_seconds) -> dict:
-  cache = sharded.shard_cache(staggered_cache(sharded.model, batch, replay=replay, buffer_len=buffer_len))
+  cache = sharded.shard_cache(staggered_cache(sharded.abstract_model, batch, replay=replay, buffer_len=buffer_len))
   slots = jnp.arange(batch, dtype=jnp.int32)
   no_flush = jnp.zeros((batch,), bool)
   decode = sharded.decode_step(cache, replay=replay)

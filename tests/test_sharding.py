@@ -44,6 +44,7 @@ def _check():
   _check_model(LMConfig.tiny_hybrid(num_layers=2, **heads))
   _check_generate(LMConfig.tiny_hybrid(num_layers=2, **heads))
   _check_load_pretrained()
+  _check_make_sharded_model()
   attention = AttentionConfig(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=4, qk_norm=True,
                               norm_offset=1.0, output_gate=True, scale=0.125)
   moe = MoEConfig(hidden_size=64, num_experts=8, top_k=2, expert_intermediate_size=16,
@@ -58,7 +59,9 @@ def _check():
   print("sharding checks passed")
 
 
-def _check_model(config):
+def _check_model(config, mesh=None):
+  """Prefill, decode and verify of ``shard_model(make_model(config))`` over ``mesh`` (None: every
+  device) against the unsharded model."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh
@@ -66,7 +69,8 @@ def _check_model(config):
   from replayssm_jax.models import make_model, shard_model
 
   model = make_model(config, seed=0)
-  sharded = shard_model(model, Mesh(np.array(jax.devices()), ("tp",)), axis="tp")
+  mesh = Mesh(np.array(jax.devices()), ("tp",)) if mesh is None else mesh
+  sharded = shard_model(model, mesh, axis="tp")
   assert sharded.local_config.mtp_layers == 0   # an MTP head drafts for unsharded LMs only: left out
   tokens = jnp.asarray(np.random.RandomState(0).randint(1, 256, (3, 16)), jnp.int32)
   slots, lengths = jnp.array([4, 0, 2], jnp.int32), jnp.array([16, 5, 11], jnp.int32)
@@ -91,7 +95,8 @@ def _check_model(config):
       assert np.array_equal(np.argmax(sh_logits, -1), np.argmax(ref_logits, -1))
       tok = jnp.argmax(ref_logits, -1).astype(jnp.int32)
     state = sh_cache.layers[0].bufs.state
-    assert len(state.sharding.device_set) == 4 and state.addressable_shards[0].data.shape[1] == 2
+    assert len(state.sharding.device_set) == mesh.size
+    assert state.addressable_shards[0].data.shape[1] == state.shape[1] // mesh.size
     back = sharded.unshard_cache(sh_cache)
     for path, a in jax.tree_util.tree_leaves_with_path(ref_cache):
       b = [x for p, x in jax.tree_util.tree_leaves_with_path(back) if p == path][0]
@@ -180,13 +185,75 @@ def _check_load_pretrained():
     model, config = load_pretrained(path, max_prompt_len=16)
     sharded, _ = load_pretrained(path, max_prompt_len=16, mesh=mesh)
     assert isinstance(sharded, ShardedLM), type(sharded)
-    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(nnx.state(sharded.model))), name
+    # No host copy kept: the structure is abstract, and the parameters come back from the shards.
+    assert all(isinstance(x, jax.ShapeDtypeStruct)
+               for x in jax.tree.leaves(nnx.state(sharded.abstract_model))), name
+    for a, b in zip(jax.tree.leaves(sharded.unshard_params()), jax.tree.leaves(nnx.state(model))):
+      np.testing.assert_array_equal(a, np.asarray(b), err_msg=name)
     assert {len(x.sharding.device_set) for x in jax.tree.leaves(sharded.params)} == {2}, name
     tokens = jnp.asarray(np.random.RandomState(0).randint(1, config.vocab_size, (2, 16)), jnp.int32)
     slots, lengths = jnp.array([0, 1], jnp.int32), jnp.array([16, 9], jnp.int32)
     ref, _ = model.prefill(tokens, model.init_cache(2, buffer_len=4, max_len=32), slots, lengths)
     got, _ = sharded.prefill(tokens, sharded.init_cache(2, buffer_len=4, max_len=32), slots, lengths)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=ATOL, rtol=0, err_msg=name)
+
+
+def _check_make_sharded_model():
+  """``make_sharded_model``: on one device the weights are ``make_model``'s (MTP head included,
+  to float32 rounding);
+  on 4 the shards are what ``shard_model`` makes of the model ``unshard_params`` returns, with
+  that model's logits, and the draw is partitioned (no collective; per-device temporaries
+  shrink with the mesh as the per-device outputs do)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import Mesh
+
+  from replayssm_jax.models import LMConfig, make_model, make_sharded_model, shard_model
+  from replayssm_jax.models.attention import AttentionConfig
+  from replayssm_jax.models.moe import MoEConfig
+  from replayssm_jax.models.sharding import _draw_program
+
+  config = LMConfig.tiny_mamba2(
+      num_layers=4, layer_types=("gdn", "attention", "mamba2", "moe"),
+      mlp_types=("moe", "dense", "dense", "dense"), mtp_layers=1, num_k_heads=4, num_v_heads=8,
+      head_k_dim=8, head_v_dim=8, mamba2_num_heads=8, mamba2_num_groups=4, max_prompt_len=16,
+      attention=AttentionConfig(num_heads=8, num_kv_heads=4, head_dim=8, rotary_dim=4),
+      moe=MoEConfig(hidden_size=64, num_experts=8, top_k=2, expert_intermediate_size=16,
+                    shared_intermediate_size=16))
+  one = make_sharded_model(config, Mesh(np.array(jax.devices()[:1]), ("tp",)), seed=3)
+  ref = jax.tree.leaves(nnx.state(make_model(config, seed=3)))
+  got = jax.tree.leaves(one.unshard_params())
+  assert len(got) == len(ref)
+  for a, b in zip(got, ref):   # one compiled program against make_model's op-by-op: f32 rounding
+    np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6, atol=0)
+
+  mesh = Mesh(np.array(jax.devices()), ("tp",))
+  sharded = make_sharded_model(config, mesh, seed=3)
+  assert {len(x.sharding.device_set) for x in jax.tree.leaves(sharded.params)} == {4}
+  model = jax.device_put(nnx.merge(nnx.graphdef(sharded.abstract_model), sharded.unshard_params()))
+  for a, b in zip(jax.tree.leaves(shard_model(model, mesh).params), jax.tree.leaves(sharded.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  tokens = jnp.asarray(np.random.RandomState(0).randint(1, config.vocab_size, (2, 16)), jnp.int32)
+  slots, lengths = jnp.array([0, 1], jnp.int32), jnp.array([16, 9], jnp.int32)
+  want, _ = model.prefill(tokens, model.init_cache(2, buffer_len=4, max_len=32), slots, lengths)
+  have, _ = sharded.prefill(tokens, sharded.init_cache(2, buffer_len=4, max_len=32), slots, lengths)
+  np.testing.assert_allclose(np.asarray(have), np.asarray(want), atol=ATOL, rtol=0)
+
+  temps = {}
+  for devices in (1, 4):
+    layouts = make_sharded_model(config, Mesh(np.array(jax.devices()[:devices]), ("tp",)))._layouts
+    with jax.threefry_partitionable(True):
+      compiled = _draw_program(config, Mesh(np.array(jax.devices()[:devices]), ("tp",)), layouts,
+                               3).lower().compile()
+    text = compiled.as_text()
+    assert not any(op in text for op in ("all-gather", "all-to-all", "collective-permute",
+                                         "all-reduce")), devices
+    memory = compiled.memory_analysis()
+    temps[devices] = memory.temp_size_in_bytes, memory.output_size_in_bytes
+  # Temporaries shrink with the mesh as the outputs do (replicated leaves set both ratios).
+  (t1, o1), (t4, o4) = temps[1], temps[4]
+  assert t4 / t1 <= 1.1 * o4 / o1, temps
 
 
 def test_sharded_equals_unsharded_on_4_devices():

@@ -15,8 +15,8 @@ from replayssm_jax.models.generate import GenerateStats, generate, ngram_drafts
 from replayssm_jax.models.hf import load_pretrained
 from replayssm_jax.models.lm import LM, LMCache, LMConfig, VerifyStep, make_model
 from replayssm_jax.models.mamba2 import Mamba2, Mamba2Config, Mamba2LayerCache
-from replayssm_jax.models.sharding import ShardedLM, shard_model
+from replayssm_jax.models.sharding import ShardedLM, make_sharded_model, shard_model
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetConfig", "GdnLayerCache", "GenerateStats", "LM", "LMCache",
            "LMConfig", "Mamba2", "Mamba2Config", "Mamba2LayerCache", "ShardedLM", "VerifyStep", "generate",
-           "load_pretrained", "make_model", "ngram_drafts", "shard_model"]
+           "load_pretrained", "make_model", "make_sharded_model", "ngram_drafts", "shard_model"]

@@ -210,7 +210,7 @@ def load_pretrained(path, *, dtype=jnp.float32, max_prompt_len: int = 128, mesh=
     max_prompt_len: longest prompt ``generate`` and the serving engine accept.
     mesh: a ``jax.sharding.Mesh``: the model is sharded over its axis ``axis`` (``shard_model``)
       straight from the host, each device receiving only its shards, so no device ever holds
-      the whole model (the unsharded LM inside the ShardedLM keeps host numpy arrays).
+      the whole model (the host copy is dropped once the shards are placed).
 
   Returns:
     (model: LM, or ShardedLM with ``mesh``; config: LMConfig).

@@ -1,4 +1,5 @@
-"""Tensor parallelism over heads: ``sharded = shard_model(model, mesh, axis="tp")``.
+"""Tensor parallelism over heads: ``sharded = shard_model(model, mesh, axis="tp")``, or
+``make_sharded_model(config, mesh)`` for random weights drawn per device.
 
 Every mixer's heads are split evenly over the mesh axis (``jax.shard_map``): device d holds key
 heads ``[d·Hk/tp, (d+1)·Hk/tp)`` and the value heads that read them (Mamba2: heads and B/C groups
@@ -35,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from replayssm_jax.models.attention import AttentionLayerCache
 from replayssm_jax.models.gated_deltanet import GdnLayerCache
-from replayssm_jax.models.lm import LM, LMCache, VerifyStep
+from replayssm_jax.models.lm import LM, LMCache, LMConfig, VerifyStep
 
 
 def _regroup(x, dim, sizes, tp, *, to_device_major):
@@ -92,12 +93,23 @@ class ShardedLM:
   ``VerifyStep`` holding one, its conv windows sharded like the conv states); they are jitted with
   the cache (the step) donated. ``serving.Engine`` takes a ShardedLM as it takes an LM.
 
+  Built by ``shard_model`` (an LM's parameters, regrouped and placed leaf by leaf) or
+  ``make_sharded_model`` (random weights drawn on the mesh). It keeps no unsharded copy:
+  ``abstract_model`` is the unsharded LM's structure (shapes and dtypes), ``unshard_params`` its
+  parameters gathered back to the host.
+
   The model's multi-token-prediction head is not sharded (``mtp`` is None): MTP drafting needs
-  the unsharded LM.
+  the unsharded LM. Its parameters are kept on the host, so ``unshard_params`` (and
+  ``Engine.preempt``) lose nothing.
   """
 
-  def __init__(self, model: LM, mesh, axis: str):
-    c = model.config
+  def __init__(self, config: LMConfig, mesh, axis: str, *, params=None, seed: int = 0):
+    """Use ``shard_model`` (an LM's parameters) or ``make_sharded_model`` (drawn per device).
+
+    ``params``: the unsharded model's parameter state (``nnx.split(model)[1]``; device or host
+    arrays), regrouped and placed leaf by leaf; None: parameters drawn on the mesh from ``seed``
+    (``make_sharded_model``)."""
+    c = config
     if axis not in mesh.axis_names:
       raise ValueError(f"axis={axis!r} is not an axis of the mesh {mesh.axis_names}")
     tp = mesh.shape[axis]
@@ -130,29 +142,70 @@ class ShardedLM:
       if value % tp:
         raise ValueError(f"{name}={value} is not a multiple of the mesh axis {axis!r} size {tp}; "
                          f"heads (and Mamba2 groups, expert widths) must split evenly over the devices")
-    self.model, self.mesh, self.axis, self.tp = model, mesh, axis, tp
+    self.mesh, self.axis, self.tp = mesh, axis, tp
+    # The unsharded model's structure: shapes and dtypes, no arrays (``unshard_params`` has them).
+    self.abstract_model = nnx.eval_shape(lambda: LM(c, rngs=nnx.Rngs(0)))
     # The MTP head drafts for generate / serving.Engine, which take an unsharded LM: not sharded.
     self.local_config = dataclasses.replace(c, **local, mtp_layers=0)
     local_model = nnx.eval_shape(lambda: LM(self.local_config, rngs=nnx.Rngs(0)))
     local_model.tp_axis = axis
     self._graphdef, local_state = nnx.split(local_model)
-    _, full_state = nnx.split(model)
-    leaves, specs = [], []
-    for path, x in jax.tree_util.tree_leaves_with_path(full_state):
-      if getattr(path[0], "key", None) == "mtp":
-        continue
-      value, spec = self._param(path, x)
-      leaves.append(jax.device_put(value, NamedSharding(mesh, spec)))
-      specs.append(spec)
+    full = jax.tree_util.tree_leaves_with_path(nnx.split(self.abstract_model)[1])
+    self._layouts = [None if _is_mtp(path) else self._layout(path) for path, _ in full]
+    leaves, mtp = (self._draw(seed) if params is None else
+                   self._place(jax.tree.leaves(params, is_leaf=_is_array)))
     treedef = jax.tree.structure(local_state)
     self.params = jax.tree.unflatten(treedef, leaves)
-    self._param_specs = jax.tree.unflatten(treedef, specs)
+    self._param_specs = jax.tree.unflatten(treedef, [spec for r, spec in filter(None, self._layouts)])
+    self._mtp_params = mtp   # host arrays of the MTP head's leaves, kept for unshard_params
     self._steps = {}
+
+  def _place(self, values):
+    """(sharded leaves, MTP host leaves) from the unsharded parameter values, leaf by leaf."""
+    if len(values) != len(self._layouts):
+      raise ValueError(f"params has {len(values)} leaves; the model {len(self._layouts)}")
+    leaves, mtp = [], []
+    for x, layout in zip(values, self._layouts):
+      if layout is None:
+        mtp.append(np.asarray(x))
+        continue
+      regroup, spec = layout
+      if regroup is not None:
+        x = _regroup(x, *regroup, self.tp, to_device_major=True)
+      leaves.append(jax.device_put(x, NamedSharding(self.mesh, spec)))
+    return leaves, mtp
+
+  def _draw(self, seed):
+    """(sharded leaves, MTP host leaves) drawn by ``make_model(config, seed)``'s initializers
+    (``_draw_program``)."""
+    with jax.threefry_partitionable(True):
+      leaves, mtp = _draw_program(self.abstract_model.config, self.mesh, self._layouts, seed)()
+    return leaves, [np.asarray(x) for x in mtp]
+
+  def unshard_params(self) -> nnx.State:
+    """The unsharded model's parameters as host numpy arrays: each leaf gathered from its shards
+    and put back in the natural order (conv and projection groups), the MTP head's as kept.
+    ``nnx.merge(nnx.graphdef(sharded.abstract_model), sharded.unshard_params())`` is the LM
+    (host arrays; ``jax.device_put`` it to run it on one device)."""
+    sharded, mtp = iter(jax.tree.leaves(self.params)), iter(self._mtp_params)
+    values = []
+    for layout in self._layouts:
+      if layout is None:
+        values.append(next(mtp))
+        continue
+      x = next(sharded)
+      if not x.is_fully_addressable:
+        raise NotImplementedError("unshard_params over a mesh that spans processes: each process "
+                                  "holds only its own shards")
+      x, regroup = np.asarray(x), layout[0]
+      values.append(x if regroup is None else _regroup(x, *regroup, self.tp, to_device_major=False))
+    state = nnx.split(self.abstract_model)[1]
+    return jax.tree.unflatten(jax.tree.structure(state, is_leaf=_is_array), values)
 
   @property
   def config(self):
     """The unsharded model's LMConfig (global head counts)."""
-    return self.model.config
+    return self.abstract_model.config
 
   @property
   def mtp(self):
@@ -179,7 +232,7 @@ class ShardedLM:
 
   def _groups(self, kind, what):
     """Group sizes of a mixer's column-parallel axis ``what`` ("in_proj" or "conv")."""
-    c = self.model.config
+    c = self.abstract_model.config
     if kind == "gdn":
       kd, vd = c.num_k_heads * c.head_k_dim, c.num_v_heads * c.head_v_dim
       conv = [kd, kd, vd]
@@ -189,15 +242,18 @@ class ShardedLM:
     conv = [m.inner_dim, gn, gn]
     return [m.inner_dim] + conv + [m.num_heads] if what == "in_proj" else conv
 
-  def _param(self, path, x):
-    """(global value, PartitionSpec) of one parameter of the unsharded model."""
+  def _layout(self, path):
+    """(regroup, PartitionSpec) of one parameter of the unsharded model: ``regroup`` = (dim, group
+    sizes) for a leaf whose mesh layout puts each device's slice of every group together
+    (``_regroup``), else None."""
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]  # drops the trailing .value
     a = self.axis
-    if "mlp" in keys and self.model.blocks[keys[keys.index("blocks") + 1]].mlp_type == "moe":
-      return self._moe_param(keys[-1], x)
+    block = self.abstract_model.blocks[keys[keys.index("blocks") + 1]] if "blocks" in keys else None
+    if "mlp" in keys and block.mlp_type == "moe":
+      return self._moe_layout(keys[-1])
     if "mixer" not in keys:
-      return x, P()
-    kind = self.model.blocks[keys[keys.index("blocks") + 1]].layer_type
+      return None, P()
+    kind = block.layer_type
     rest = keys[keys.index("mixer") + 1:]
     if kind == "parallel":   # blocks.i.mixer.{mamba2,attention}.<name>
       kind, rest = rest[0], rest[1:]
@@ -205,32 +261,30 @@ class ShardedLM:
     if kind == "attention":
       # Head-major columns (q_proj: [q_h | gate_h] per head), so a contiguous split is by head.
       if name in ("q_proj/kernel", "k_proj/kernel", "v_proj/kernel"):
-        return x, P(None, a)
-      return (x, P(a, None)) if name == "o_proj/kernel" else (x, P())   # q_norm, k_norm
+        return None, P(None, a)
+      return None, (P(a, None) if name == "o_proj/kernel" else P())   # q_norm, k_norm
     if name == "in_proj/kernel":
-      return _regroup(x, 1, self._groups(kind, "in_proj"), self.tp, to_device_major=True), P(None, a)
+      return (1, self._groups(kind, "in_proj")), P(None, a)
     if name == "conv_weight":
-      return _regroup(x, 1, self._groups(kind, "conv"), self.tp, to_device_major=True), P(None, a)
+      return (1, self._groups(kind, "conv")), P(None, a)
     if name == "conv_bias":
-      return _regroup(x, 0, self._groups(kind, "conv"), self.tp, to_device_major=True), P(a)
+      return (0, self._groups(kind, "conv")), P(a)
     if name == "out_proj/kernel":
-      return x, P(a, None)
+      return None, P(a, None)
     if name == "norm_weight" and kind == "gdn":
-      return x, P()                                  # [V], shared by every value head
-    return x, P(a)                                   # A_log, dt_bias, D, Mamba2 norm_weight
+      return None, P()                               # [V], shared by every value head
+    return None, P(a)                                # A_log, dt_bias, D, Mamba2 norm_weight
 
-  def _moe_param(self, name, x):
+  def _moe_layout(self, name):
     """Experts split along their intermediate dimension; routing and latent maps replicated."""
-    a, m = self.axis, self.model.config.moe
+    a, m = self.axis, self.abstract_model.config.moe
     if name == "gate_up":
-      i = m.expert_intermediate_size
-      return _regroup(x, 2, [i, i], self.tp, to_device_major=True), P(None, None, a)
+      return (2, [m.expert_intermediate_size] * 2), P(None, None, a)
     if name == "shared_gate_up":
-      sz = m.shared_intermediate_size
-      return _regroup(x, 1, [sz, sz], self.tp, to_device_major=True), P(None, a)
+      return (1, [m.shared_intermediate_size] * 2), P(None, a)
     specs = {"up": P(None, None, a), "down": P(None, a, None), "shared_up": P(None, a),
              "shared_down": P(a, None)}
-    return x, specs.get(name, P())   # router, correction_bias, shared_expert_gate, latent_in/out
+    return None, specs.get(name, P())   # router, correction_bias, shared_expert_gate, latent_in/out
 
   def cache_specs(self, cache):
     """PartitionSpecs of a sharded LMCache (or of a VerifyStep: its cache, replicated plan, conv
@@ -282,7 +336,8 @@ class ShardedLM:
                                 "sharded; draft with it on the unsharded LM")
     key = ("init_cache", num_slots, tuple(sorted(kwargs.items())))
     if key not in self._steps:   # compiled once per pool shape, as the steps are
-      build = lambda: self._convert_cache(self.model.init_cache(num_slots, **kwargs), to_sharded=True)
+      build = lambda: self._convert_cache(self.abstract_model.init_cache(num_slots, **kwargs),
+                                            to_sharded=True)
       abstract = jax.eval_shape(build)
       shardings = jax.tree.map(lambda _, s: NamedSharding(self.mesh, s), abstract,
                                self.cache_specs(abstract))
@@ -372,8 +427,45 @@ def _sharded_step(graphdef, treedef, layout, method, static, out_spec):
                  donate_argnums=(1,))
 
 
+def _draw_program(config, mesh, layouts, seed):
+  """The jitted draw of an LM's parameters whose outputs are sharded by ``layouts`` (one per leaf:
+  (regroup, spec), None for the MTP head's, which is replicated): each device computes only its
+  own shards when traced under ``jax.threefry_partitionable(True)`` (counter-based bits). A
+  column-parallel leaf is drawn in its device-major order (the regroup to it would need every
+  device to draw the whole leaf), so ``unshard_params`` puts it back in the natural order."""
+  def draw():
+    values = jax.tree.leaves(nnx.split(LM(config, rngs=nnx.Rngs(seed)))[1], is_leaf=_is_array)
+    return ([x for x, l in zip(values, layouts) if l is not None],
+            [x for x, l in zip(values, layouts) if l is None])
+  shardings = ([NamedSharding(mesh, l[1]) for l in layouts if l is not None],
+               [NamedSharding(mesh, P()) for l in layouts if l is None])
+  return jax.jit(draw, out_shardings=shardings)
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _is_mtp(path) -> bool:
+  return getattr(path[0], "key", None) == "mtp"
+
+
 def shard_model(model: LM, mesh, *, axis: str = "tp") -> ShardedLM:
-  """Shards ``model``'s mixer heads over ``mesh`` axis ``axis`` (see ``ShardedLM``)."""
+  """Shards ``model``'s mixer heads over ``mesh`` axis ``axis`` (see ``ShardedLM``). The
+  ShardedLM keeps no reference to ``model``: with host (numpy) parameters, as
+  ``load_pretrained(mesh=)`` builds them, no device ever holds the whole model."""
   if not isinstance(model, LM):
     raise ValueError(f"model must be a replayssm_jax.models.LM; got {type(model).__name__}")
-  return ShardedLM(model, mesh, axis)
+  return ShardedLM(model.config, mesh, axis, params=nnx.split(model)[1])
+
+
+def make_sharded_model(config: LMConfig, mesh, *, axis: str = "tp", seed: int = 0) -> ShardedLM:
+  """A ShardedLM with random weights drawn on the mesh: each device computes only its own
+  shards, so a model larger than one device can be built (``make_model`` would build it whole
+  first). The weights follow ``make_model(config, seed)``'s initializers; column-parallel
+  matrices (mixer ``in_proj`` and conv, MoE ``gate_up``) are drawn in their mesh order, so the
+  numbers differ from ``make_model``'s where ``mesh.shape[axis]`` > 1 (on one device they equal
+  them to float32 rounding). ``unshard_params`` gives the unsharded model's parameters."""
+  if not isinstance(config, LMConfig):
+    raise ValueError(f"config must be a replayssm_jax.models.LMConfig; got {type(config).__name__}")
+  return ShardedLM(config, mesh, axis, seed=seed)

@@ -959,7 +959,7 @@ class Engine:
     if isinstance(self.model, ShardedLM):
       # Saved in the unsharded layout (the cache through the host, gathered on no device), so
       # ``resume`` may shard it over any mesh the heads divide, or not at all.
-      params, cache = nnx.split(self.model.model)[1], self.model.unshard_cache(cache, host=True)
+      params, cache = self.model.unshard_params(), self.model.unshard_cache(cache, host=True)
       tensor_parallel = {"axis": self.model.axis, "size": self.model.tp}
     # A synchronous checkpointer, closed on exit: no background commit thread outlives the call.
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
