@@ -22,9 +22,10 @@ staged by TMA while row i computes.
 * ``replay_verify``: speculative verify of T tokens per row, the reconstruct route of the Triton
   kernels (gdn_triton ``_reconstruct_kernel``). Grid (V/BV, Hv, B); for each of its rows a
   program TMA-stages the checkpoint tile, the row's ring and the T tokens' q, k, v, replays the
-  committed window into the tile (``_fold_window``), steps the T tokens by the delta rule
-  (outputs, ring appends past the window), and a flushing row stores the tile after token 0 in
-  place: committed history only, one launch.
+  committed window into the tile (``_fold_window``), steps the T tokens by the delta rule in a
+  loop (outputs, ring appends past the window; the per-token g and β, loaded before the window,
+  picked by index), and a flushing row stores the tile after token 0 in place: committed history
+  only, one launch.
 
 Ring windows are walked entry by entry (``lax.fori_loop`` over ``count`` entries at ring indices
 ``(base + j) mod R``), so entries outside a window (stale or NaN) are staged into SMEM but never
@@ -82,6 +83,14 @@ def _store(ref, value):
 
 def _zeros(n):
   return plgpu.layout_cast(jnp.zeros((n,), f32), _COL_V)
+
+
+def _pick(values, j):
+  """``values[j]`` for a traced index j into a short static list (a chain of selects)."""
+  out = values[0]
+  for i in range(1, len(values)):
+    out = jnp.where(j == i, values[i], out)
+  return out
 
 
 def _fold_window(S, rk_smem, ru_smem, rg_smem, base, length, ring_size):
@@ -399,7 +408,8 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
                            buf["bars"], base, count, ring_size)
     _wait_all(buf["tok_bars"], 3)
     rdt = ring_u_ref.dtype
-    for j in range(num_tokens):
+
+    def token(j, S):
       live = valid & (n > j)
       put = (base + count + j) % ring_size
       # A padded lane's inputs may be NaN and are never read: it reads token 0's vectors (real on
@@ -408,8 +418,8 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
       k = _vec(buf["k_smem"].at[at], _ROW_K)
       q = _vec(buf["q_smem"].at[at], _ROW_K) * scale
       v = _vec(buf["v_smem"].at[at], _COL_V)
-      g = jnp.where(live, gs[j].astype(f32), 0.0)
-      beta = jnp.where(live, betas[j].astype(f32), 0.0)
+      g = jnp.where(live, _pick(gs, j).astype(f32), 0.0)
+      beta = jnp.where(live, _pick(betas, j).astype(f32), 0.0)
       alpha = jnp.exp(g)
       u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
       S = alpha * S + u[:, None] * k[None, :]
@@ -423,17 +433,16 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
       def _():
         _store(o_ref.at[b, j, h, tile], _zeros(block_v).astype(o_ref.dtype))
 
-      if j == 0:
-        @pl.when(valid & (flush_ref[b] != 0))
-        def _():
-          # Window + token 0: the committed history only; drafts (tokens ≥ 1) are never folded.
-          _store(buf["S_smem"], S.astype(buf["S_smem"].dtype))
-          if copy_ref is not None:
-            _store(buf["C_smem"], S.astype(buf["C_smem"].dtype))
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(buf["S_smem"], state_ref.at[s, h, tile])
-          if copy_ref is not None:
-            plgpu.copy_smem_to_gmem(buf["C_smem"], copy_ref.at[s, h, tile])
+      @pl.when(valid & (flush_ref[b] != 0) & (j == 0))
+      def _():
+        # Window + token 0: the committed history only; drafts (tokens ≥ 1) are never folded.
+        _store(buf["S_smem"], S.astype(buf["S_smem"].dtype))
+        if copy_ref is not None:
+          _store(buf["C_smem"], S.astype(buf["C_smem"].dtype))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buf["S_smem"], state_ref.at[s, h, tile])
+        if copy_ref is not None:
+          plgpu.copy_smem_to_gmem(buf["C_smem"], copy_ref.at[s, h, tile])
 
       @pl.when(live)
       def _():
@@ -446,6 +455,11 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
           @pl.when(h % group == 0)
           def _():
             _store(ring_k_ref.at[s, hk, put], k.astype(ring_k_ref.dtype))
+      return S
+
+    # A loop, not T unrolled copies: 2-19 % faster at every T and batch measured (one H100;
+    # bench/RESULTS.md "Mosaic verify: the token loop"); Mamba2's kernel measured no gain.
+    lax.fori_loop(0, num_tokens, token, S)
 
   _pipeline_rows(rows, buffers, stage, verify_row, interpret=interpret)
 
