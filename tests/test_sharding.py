@@ -59,9 +59,10 @@ def _check():
   print("sharding checks passed")
 
 
-def _check_model(config, mesh=None):
+def _check_model(config, mesh=None, *, mixed_phases=True):
   """Prefill, decode and verify of ``shard_model(make_model(config))`` over ``mesh`` (None: every
-  device) against the unsharded model."""
+  device) against the unsharded model. ``mixed_phases``: check that the rows' flush phases
+  differ (False on a GPU, whose small-batch policy flushes every row at these 3 rows)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import Mesh
@@ -101,7 +102,7 @@ def _check_model(config, mesh=None):
     for path, a in jax.tree_util.tree_leaves_with_path(ref_cache):
       b = [x for p, x in jax.tree_util.tree_leaves_with_path(back) if p == path][0]
       close(b, a, f"cache {jax.tree_util.keystr(path)}, replay={replay}")
-    if replay:
+    if replay and mixed_phases:
       assert int(ref_cache.cursor.count[4]) != int(ref_cache.cursor.count[2])  # phases really differ
   _check_verify(model, sharded, tokens, slots, lengths, close)
 

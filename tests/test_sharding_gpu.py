@@ -1,5 +1,6 @@
 """GPU-only run of ``ShardedLM``'s own steps (marker ``gpu``; skipped on CPU): prefill, decode and
-speculative verify + commit over a mesh of the GPUs (one GPU: a one-device mesh), with the kernels
+speculative verify + commit over a mesh of the GPUs (one GPU: a one-device mesh; 3 rows, so decode
+runs the small-batch policy's flush-every-row kernels), with the kernels
 ``implementation=None`` picks at head sizes they take (K = V = 64), against the unsharded model
 (``tests/test_sharding.py`` runs the same on 4 CPU devices); and ``make_sharded_model`` drawing
 the weights on the mesh. Float32 matmuls at "highest" precision: TF32 projections would round
@@ -35,7 +36,7 @@ def _mesh():
 
 def test_sharded_steps_on_the_gpus():
   with jax.default_matmul_precision("highest"):
-    _check_model(_config(), _mesh())
+    _check_model(_config(), _mesh(), mixed_phases=False)
 
 
 def test_make_sharded_model_on_the_gpus():
