@@ -423,8 +423,14 @@ def _sharded_step(graphdef, treedef, layout, method, static, out_spec):
     return model.decode(tokens, cache, slots, force_flush=force, **static)
 
   run = layout.on_mesh(body, 0 if method == "commit" else 1, out_cache=out_spec)
-  return jax.jit(lambda params, cache, *batch: run(jax.tree.leaves(params), cache, *batch),
-                 donate_argnums=(1,))
+  if method != "commit":
+    return jax.jit(lambda params, cache, *batch: run(jax.tree.leaves(params), cache, *batch),
+                   donate_argnums=(1,))
+  # Commit donates the step's cache only: its plan and conv windows have no output to alias.
+  commit = jax.jit(lambda params, cache, rest, *batch:
+                   run(jax.tree.leaves(params), rest.replace(cache=cache), *batch),
+                   donate_argnums=(1,))
+  return lambda params, step, *batch: commit(params, step.cache, step.replace(cache=None), *batch)
 
 
 def _draw_program(config, mesh, layouts, seed):
