@@ -25,6 +25,12 @@ residuals, fusion across layers) costs.
 
     python -m bench.model_e2e --presets qwen3.5-4b,nemotron-h-8b --batches 1,8,32,128,256,512 --contexts 1024,8192 --parts 256
     python -m bench.model_e2e --smoke            # CPU: the tiny checkpoints' shapes (tests/data/hf)
+    python -m bench.model_e2e --presets qwen3-next-80b-a3b --tp 4 --batches 256 --contexts 1024
+
+``--tp N`` draws the model sharded over the first N devices (``make_sharded_model``: heads, KV
+heads and expert widths split, each device only its shards), so a preset larger than one GPU
+runs at full depth (``--num-layers`` cuts any preset); the step loop is the same, each step
+under ``shard_map``; parts are not timed there.
 """
 import argparse
 import dataclasses
@@ -39,7 +45,9 @@ from flax import nnx
 
 from bench import common
 from replayssm_jax import config as config_lib
-from replayssm_jax.models import make_model
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from replayssm_jax.models import make_model, make_sharded_model
 from replayssm_jax.models import hf as hf_lib
 from replayssm_jax.models.attention import AttentionLayerCache
 from replayssm_jax.models.presets import preset
@@ -54,11 +62,13 @@ READ_COPY_MODE = "replay-read-copy"   # --read-copy: replay over caches with a b
 MEMORY_BUDGET = 120 * 2**30     # bytes of parameters + cache a run may take on a 141 GB card
 
 
-def model_config(name: str):
+def model_config(name: str, num_layers: int | None = None):
+  """The preset's LMConfig; ``num_layers`` None: ``DEPTH``'s cut where one GPU needs it (the
+  tiny checkpoints' shapes of ``--smoke`` keep their layers)."""
   if name in SMOKE:
     data = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "hf" / SMOKE[name]
     return hf_lib._plan(hf_lib.read_config(data / "config.json"), dtype=jnp.float32, max_prompt_len=16)[1]
-  return preset(name, num_layers=DEPTH.get(name))
+  return preset(name, num_layers=DEPTH.get(name) if num_layers is None else num_layers)
 
 
 def cache_bytes(model, batch, max_len, buffer_len, read_copy_dtype=None) -> int:
@@ -79,14 +89,15 @@ def prepared_cache(model, batch, *, context, buffer_len, replay, read_copy_dtype
                        positions=jnp.full((batch,), context, jnp.int32))
 
 
-def _step_loop(graphdef, *, replay, buffer_len, context):
+def _decode_loop(decode, *, buffer_len, context):
+  """jit(params, (tokens, cache), n) → n whole flush cycles of ``decode(params, tokens, cache,
+  slots) → (logits, cache)``, each cycle rewinding the positions to ``context``."""
   def run(params, carry, n):
-    model = nnx.merge(graphdef, params)
     slots = jnp.arange(carry[0].shape[0], dtype=jnp.int32)
 
     def step(t, c):
       tok, cache = c
-      logits, cache = model.decode(tok, cache, slots, replay=replay)
+      logits, cache = decode(params, tok, cache, slots)
       vocab = logits.shape[-1]
       shift = (common.mix32((slots * buffer_len + t).astype(jnp.uint32)) % vocab).astype(jnp.int32)
       return (jnp.argmax(logits, -1).astype(jnp.int32) + shift) % vocab, cache
@@ -97,6 +108,34 @@ def _step_loop(graphdef, *, replay, buffer_len, context):
       return jax.lax.fori_loop(0, buffer_len, step, (tok, cache))
     return jax.lax.fori_loop(0, n, cycle, carry)
   return jax.jit(run, donate_argnums=(1,))
+
+
+def _step_loop(graphdef, *, replay, buffer_len, context):
+  """The model step loop of an unsharded LM (``graphdef``; its params are the first argument)."""
+  return _decode_loop(lambda params, tok, cache, slots: nnx.merge(graphdef, params).decode(
+      tok, cache, slots, replay=replay), buffer_len=buffer_len, context=context)
+
+
+def _sharded_step_loop(sharded, cache, *, replay, buffer_len, context):
+  """The same loop over a ShardedLM (``cache``: the sharded cache's layout; params
+  ``sharded.params``): each step runs per device under ``shard_map``."""
+  decode = sharded.decode_step(cache, replay=replay)
+  return _decode_loop(lambda params, tok, cache, slots: decode(
+      params, cache, tok, slots, jnp.zeros(slots.shape, bool)), buffer_len=buffer_len,
+      context=context)
+
+
+def _on_mesh(sharded, cache):
+  """``cache`` (a ShardedLM's, with replaced cursor and positions) placed by its specs; abstract
+  leaves get the shardings as ShapeDtypeStructs (for lowering)."""
+  specs = sharded.cache_specs(cache)
+
+  def place(x, spec):
+    sharding = NamedSharding(sharded.mesh, spec)
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.device_put(x, sharding)
+  return jax.tree.map(place, cache, specs)
 
 
 # ---- parts, each timed alone -----------------------------------------------------------------
@@ -193,28 +232,36 @@ def _timed(compiled, params, carry, *, buffer_len, reps, rep_seconds):
 # ---- the run ---------------------------------------------------------------------------------
 
 def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, buffer_len=None,
-               read_copy=False):
+               read_copy=False, tp=0, num_layers=None):
   """Lowers every (context, B, mode) step program and part, compiles them in parallel, then times
   them one after the other. ``buffer_len`` None: the library's decode default
   (``config.DECODE_BUFFER_LEN``, what a cache made without one gets). ``read_copy``: a third mode,
-  replay over caches whose float32 checkpoints have a bf16 read copy."""
+  replay over caches whose float32 checkpoints have a bf16 read copy. ``tp`` >= 1: the model is
+  drawn sharded over the first ``tp`` devices (``make_sharded_model``, heads split; no parts);
+  ``num_layers``: the depth (None: ``model_config``'s)."""
   modes = {name: (replay, None) for name, replay in MODES.items()}
   if read_copy:
     modes[READ_COPY_MODE] = (True, jnp.bfloat16)
-  config = model_config(name)
+  config = model_config(name, num_layers)
   buffer_len = config_lib.DECODE_BUFFER_LEN if buffer_len is None else buffer_len
-  model = make_model(config, seed=0)
-  graphdef, params = nnx.split(model)
-  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  if tp:
+    model = make_sharded_model(config, Mesh(np.array(jax.devices()[:tp]), ("tp",)), seed=0)
+    params, unsharded = model.params, model.abstract_model
+    # Per device: its parameter shards (replicated leaves whole).
+    param_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+  else:
+    model = unsharded = make_model(config, seed=0)
+    graphdef, params = nnx.split(model)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   kinds = ", ".join(f"{config.layer_types.count(k)} {k}" for k in dict.fromkeys(config.layer_types))
-  common.log(f"{name}: {config.num_layers} layers ({kinds}), {param_bytes / 2**30:.1f} GiB of parameters, "
-             f"L={buffer_len}")
-  the_parts = model_parts(model)
+  common.log(f"{name}: {config.num_layers} layers ({kinds}), {param_bytes / 2**30:.1f} GiB of parameters"
+             f"{f' per device, {tp} devices' if tp else ''}, L={buffer_len}")
+  the_parts = [] if tp else model_parts(model)
   rows, part_rows, programs, shapes = [], [], {}, []
   for context in contexts:
     for batch in batches:
-      need = param_bytes + cache_bytes(model, batch, context + buffer_len, buffer_len,
-                                       jnp.bfloat16 if read_copy else None)
+      need = param_bytes + cache_bytes(unsharded, batch, context + buffer_len, buffer_len,
+                                       jnp.bfloat16 if read_copy else None) // max(tp, 1)
       if need > MEMORY_BUDGET:
         common.log(f"  C={context} B={batch}: skipped, {need / 2**30:.0f} GiB > {MEMORY_BUDGET / 2**30:.0f} GiB")
         rows.append({"preset": name, "batch": batch, "context": context, "skipped": "memory", "bytes": need})
@@ -223,9 +270,14 @@ def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, bu
       tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
       x = jax.ShapeDtypeStruct((batch, config.hidden_size), config.dtype)
       for mode, (replay, copy) in modes.items():
-        cache = jax.eval_shape(lambda: prepared_cache(model, batch, context=context, buffer_len=buffer_len,
+        cache = jax.eval_shape(lambda: prepared_cache(unsharded, batch, context=context, buffer_len=buffer_len,
                                                       replay=replay, read_copy_dtype=copy))
-        fn = _step_loop(graphdef, replay=replay, buffer_len=buffer_len, context=context)
+        if tp:
+          cache = _on_mesh(model, cache)
+          fn = _sharded_step_loop(model, cache, replay=replay, buffer_len=buffer_len, context=context)
+          tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(model.mesh, P()))
+        else:
+          fn = _step_loop(graphdef, replay=replay, buffer_len=buffer_len, context=context)
         programs[("step", context, batch, mode)] = (fn, (params, (tok, cache), jnp.int32(1)))
         for i, part in enumerate(the_parts if parts is True or (parts and batch in parts) else []):
           if part.kind == "recurrent" or mode == "conventional":
@@ -243,10 +295,13 @@ def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, bu
     for mode, (replay, copy) in modes.items():
       cache = prepared_cache(model, batch, context=context, buffer_len=buffer_len, replay=replay,
                              read_copy_dtype=copy)
-      med, p20, p80, cycles = timed(("step", context, batch, mode), params, (jnp.ones((batch,), jnp.int32), cache))
+      tok = jnp.ones((batch,), jnp.int32)
+      if tp:
+        cache, tok = _on_mesh(model, cache), jax.device_put(tok, NamedSharding(model.mesh, P()))
+      med, p20, p80, cycles = timed(("step", context, batch, mode), params, (tok, cache))
       group.append({"preset": name, "mode": mode, "batch": batch, "context": context, "buffer_len": buffer_len,
                     "median_ms": med, "p20_ms": p20, "p80_ms": p80, "tokens_per_s": batch / (med / 1e3),
-                    "cycles": cycles})
+                    "cycles": cycles, "tp": tp})
       for i, part in enumerate(the_parts):
         key = ("part", context, batch, mode, i)
         if key not in compiled:
@@ -265,7 +320,7 @@ def run_preset(name, *, batches, contexts, parts, reps, rep_seconds, workers, bu
       common.log(f"  C={context} B={batch}: conventional {group[0]['median_ms']:.3f} ms, {r['mode']} "
                  f"{r['median_ms']:.3f} ms/step ({r['speedup_vs_conv']:.2f}x), {r['tokens_per_s']:.0f} tokens/s")
     rows += group
-  return {"preset": name, "config": config.to_dict(), "buffer_len": buffer_len,
+  return {"preset": name, "config": config.to_dict(), "buffer_len": buffer_len, "tp": tp,
           "param_bytes": param_bytes, "rows": rows, "parts": part_rows}
 
 
@@ -334,20 +389,31 @@ def main(argv=None) -> dict:
   p.add_argument("--compile-workers", type=int, default=8, help="programs compiled at once")
   p.add_argument("--read-copy", action="store_true",
                  help="also time replay over caches whose float32 checkpoints have a bf16 read copy")
+  p.add_argument("--tp", type=int, default=0,
+                 help="shard the model over the first N devices (make_sharded_model; 0: one device, unsharded)")
+  p.add_argument("--num-layers", type=int, default=None,
+                 help="depth of every preset (default: all layers, or the cut one GPU needs: DEPTH)")
   p.add_argument("--out-json", default=None)
   p.add_argument("--plot", default=None, help="write the speed-up plot (PNG) here")
   args = p.parse_args(argv)
+  if not 0 <= args.tp <= jax.device_count():
+    p.error(f"--tp {args.tp}; expected 0 to the {jax.device_count()} device(s) present")
+  if args.tp and args.parts:
+    p.error("--parts with --tp: the parts are timed on one device, unsharded")
+  if args.num_layers is not None and args.smoke:
+    p.error("--num-layers with --smoke: the tiny checkpoints' shapes keep their layers")
   if args.buffer_len is not None and args.buffer_len < 1:
     p.error(f"--buffer-len {args.buffer_len}: expected an int >= 1")
   names = list(SMOKE_RUN) if args.smoke else args.presets.split(",")
   batches = [2] if args.smoke else [int(b) for b in args.batches.split(",")]
   contexts = [8] if args.smoke else [int(c) for c in args.contexts.split(",")]
   reps, rep_seconds = (2, 0.01) if args.smoke else (args.reps, args.rep_seconds)
-  parts = True if args.smoke or args.parts == "all" else (
+  parts = True if (args.smoke and not args.tp) or args.parts == "all" else (
       {int(b) for b in args.parts.split(",")} if args.parts else False)
   results = [run_preset(n, batches=batches, contexts=contexts, parts=parts, reps=reps,
                         rep_seconds=rep_seconds, workers=args.compile_workers,
-                        buffer_len=args.buffer_len, read_copy=args.read_copy) for n in names]
+                        buffer_len=args.buffer_len, read_copy=args.read_copy, tp=args.tp,
+                        num_layers=args.num_layers) for n in names]
   print(_tables(results))
   out = {"meta": common.run_metadata(sys.argv[1:] if argv is None else argv, "bench.model_e2e"),
          "results": results}

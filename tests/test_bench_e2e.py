@@ -101,3 +101,29 @@ def test_engine_spec_smoke_mtp_arms():
   assert all(r["identical_to_baseline"] == 1.0 for r in rows.values())
   for arm in ("spec-mtp-overlap", "spec-mtp-conv-overlap"):
     assert rows[arm]["drafter"] == "mtp" and rows[arm]["acceptance"] > 0.5, rows[arm]
+
+
+def test_model_e2e_tp_smoke(tmp_path):
+  """``bench.model_e2e --smoke --tp 2`` on 2 CPU host devices (a subprocess: the device count is
+  fixed at backend start): both modes timed over the model drawn sharded, its per-device
+  parameter bytes below the whole model's; ``--parts`` with ``--tp`` is a parser error."""
+  import pathlib
+  import subprocess
+  import sys
+
+  from tests.helpers import with_xla_flags
+  out = tmp_path / "tp.json"
+  env = with_xla_flags("--xla_force_host_platform_device_count=2")
+  root = pathlib.Path(__file__).resolve().parent.parent
+  subprocess.run([sys.executable, "-m", "bench.model_e2e", "--smoke", "--tp", "2", "--out-json", str(out)],
+                 cwd=root, env=env, check=True, timeout=900)
+  results = json.loads(out.read_text())["results"]
+  whole = {r["preset"]: r["param_bytes"] for r in model_e2e.main(["--smoke"])["results"]}
+  for result in results:
+    assert result["tp"] == 2 and result["parts"] == [], result["preset"]
+    assert [r["mode"] for r in result["rows"]] == ["conventional", "replay"]
+    assert all(r["median_ms"] > 0 and r["speedup_vs_conv"] > 0 for r in result["rows"][1:])
+    assert result["param_bytes"] < whole[result["preset"]], result["preset"]
+  bad = subprocess.run([sys.executable, "-m", "bench.model_e2e", "--smoke", "--tp", "2", "--parts"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and "--parts with --tp" in bad.stderr
