@@ -156,7 +156,7 @@ class ShardedLM:
                    self._place(jax.tree.leaves(params, is_leaf=_is_array)))
     treedef = jax.tree.structure(local_state)
     self.params = jax.tree.unflatten(treedef, leaves)
-    self._param_specs = jax.tree.unflatten(treedef, [spec for r, spec in filter(None, self._layouts)])
+    self._param_specs = jax.tree.unflatten(treedef, [spec for _, spec in filter(None, self._layouts)])
     self._mtp_params = mtp   # host arrays of the MTP head's leaves, kept for unshard_params
     self._steps = {}
 
