@@ -128,14 +128,11 @@ def _sharded_step_loop(sharded, cache, *, replay, buffer_len, context):
 def _on_mesh(sharded, cache):
   """``cache`` (a ShardedLM's, with replaced cursor and positions) placed by its specs; abstract
   leaves get the shardings as ShapeDtypeStructs (for lowering)."""
-  specs = sharded.cache_specs(cache)
-
-  def place(x, spec):
-    sharding = NamedSharding(sharded.mesh, spec)
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    return jax.device_put(x, sharding)
-  return jax.tree.map(place, cache, specs)
+  shardings = sharded.cache_shardings(cache)
+  if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(cache)):
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), cache,
+                        shardings)
+  return jax.device_put(cache, shardings)
 
 
 # ---- parts, each timed alone -----------------------------------------------------------------

@@ -211,9 +211,8 @@ def _as_int(name, value, lo):
 
 
 def generate(model: LM | ShardedLM, prompts, lengths, *, max_new_tokens, replay=True,
-             temperature=0.0,
-             stop_tokens=(), seed=0, buffer_len=None, implementation=None, speculative=0, ngram=2,
-             drafter="ngram", return_stats=False):
+             temperature=0.0, stop_tokens=(), seed=0, buffer_len=None, implementation=None,
+             speculative=0, ngram=2, drafter="ngram", return_stats=False):
   """Generates ``max_new_tokens`` tokens per row after right-padded prompts.
 
   The first token comes from the prefill logits at position ``lengths[b] - 1``; each further token

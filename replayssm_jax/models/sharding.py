@@ -316,11 +316,14 @@ class ShardedLM:
       layers.append(lc.replace(conv_state=conv))
     return cache.replace(layers=tuple(layers))
 
+  def cache_shardings(self, cache):
+    """``cache_specs`` as NamedShardings on the mesh (the same tree; arrays or abstract values)."""
+    return jax.tree.map(lambda _, s: NamedSharding(self.mesh, s), cache, self.cache_specs(cache))
+
   def shard_cache(self, cache: LMCache) -> LMCache:
     """An unsharded model's cache → the sharded layout, placed on the mesh."""
     cache = self._convert_cache(cache, to_sharded=True)
-    specs = self.cache_specs(cache)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), cache, specs)
+    return jax.device_put(cache, self.cache_shardings(cache))
 
   def unshard_cache(self, cache: LMCache, *, host: bool = False) -> LMCache:
     """A sharded cache → the unsharded model's layout: single-device arrays, or with ``host``
@@ -338,10 +341,7 @@ class ShardedLM:
     if key not in self._steps:   # compiled once per pool shape, as the steps are
       build = lambda: self._convert_cache(self.abstract_model.init_cache(num_slots, **kwargs),
                                             to_sharded=True)
-      abstract = jax.eval_shape(build)
-      shardings = jax.tree.map(lambda _, s: NamedSharding(self.mesh, s), abstract,
-                               self.cache_specs(abstract))
-      self._steps[key] = jax.jit(build, out_shardings=shardings)
+      self._steps[key] = jax.jit(build, out_shardings=self.cache_shardings(jax.eval_shape(build)))
     return self._steps[key]()
 
   # ---- steps ---------------------------------------------------------------------------------
