@@ -354,9 +354,8 @@ def _variants(text):
   return out
 
 
-# Launch knobs of the Mosaic verify wrappers (the state tile's rows; batch rows per program; GDN's
-# readouts, "loop" or "tensor").
-MOSAIC_KNOBS = ("block_v", "block_p", "rows", "readouts")
+# Launch knobs of the Mosaic verify wrappers (the state tile's rows; batch rows per program).
+MOSAIC_KNOBS = ("block_v", "block_p", "rows")
 
 
 def arm_variants(arm: str, variants) -> list:

@@ -80,7 +80,6 @@ class DeviceTables:
   mamba2_materialize: Table        # Mamba2 materialize tile
   mosaic: Table                    # Mosaic GPU kernels: state-tile rows, batch rows per program
   gdn_verify_mosaic_rows: Table    # GDN Mosaic verify: batch rows per program; by tokens, batch
-  verify_readouts: Table           # Mosaic verify: "loop" or "tensor" readouts; by family; tokens, batch
   attention_decode: Table          # decode attention: K/V block, warps, stages, split target; by head_dim
   grouped_matmul: Table            # MoE grouped matmul tile; by rows (token-expert pairs)
 
@@ -274,7 +273,6 @@ H200 = DeviceTables(
                 "verify_gdn_2026-12-06_h100_rows_routes_read_copy.json",
                 "verify_gdn_2026-12-06_h100_T4_rows_batches.log",
                 "verify_gdn_2026-12-06_h100_T2_T8_rows.json")),
-    verify_readouts=Table({"gdn": always("loop"), "mamba2": always("loop")}, source=("untuned",)),
     # Qwen3.5-4B layer (Dh 256), 1k context, ms: B = 256 block 32 / 4 warps / 2 stages 0.2953,
     # block 64 0.3058, 8 warps 0.3133-0.3524; B = 32 block 32 0.0455, block 64 0.0450, one split
     # instead of several 0.0605. Dh <= 128 (Nemotron-H): *untuned*, the same bytes per block.
@@ -358,8 +356,6 @@ CPU = DeviceTables(
     # per program cover the double-buffered row loop.
     mosaic=Table({ANY: always({"block_v": 16, "rows": 4})}, source=_INTERPRET),
     gdn_verify_mosaic_rows=Table({ANY: always(4)}, source=_INTERPRET),
-    verify_readouts=Table({"gdn": always("loop"), "mamba2": always("loop")},
-                          source=("interpret mode: both forms are tested by name",)),
     attention_decode=Table(H200.attention_decode.rows,
                            source=("interpret mode: the GPU's blocks, so CPU tests see the split rule "
                                    "and short-pool clipping as the GPU does",)),

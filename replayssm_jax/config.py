@@ -533,20 +533,6 @@ def mosaic_verify_config(*, device_kind: str, head_v_dim: int, batch: int,
   return dataclasses.replace(cfg, rows=rows)
 
 
-def gdn_verify_readouts(*, device_kind: str, batch: int, num_tokens: int) -> str:
-  """How the GDN Mosaic verify computes each token's S·k and S·q: "loop" (the delta rule stepped
-  token by token on CUDA cores) or "tensor" (closed form, one tensor-core product per tile)."""
-  return _pick(tables.for_device(device_kind).verify_readouts, "gdn", batch=batch,
-               tokens=num_tokens)
-
-
-def mamba2_verify_readouts(*, device_kind: str, batch: int, num_tokens: int) -> str:
-  """How the Mamba2 Mosaic verify computes each token's S·C: "loop" (T tile updates on CUDA
-  cores) or "tensor" (closed form, one tensor-core product per tile)."""
-  return _pick(tables.for_device(device_kind).verify_readouts, "mamba2", batch=batch,
-               tokens=num_tokens)
-
-
 def mosaic_mamba2_verify_config(*, device_kind: str, head_dim: int) -> MosaicConfig:
   """Mamba2 verify (reconstruct route), grid (P/BP, H, B / rows); ``block_v`` holds BP: the replay
   kernel's tile and rows per program (the same program, stepping T tokens)."""

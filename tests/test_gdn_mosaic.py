@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 import replayssm_jax as rs
-from replayssm_jax import config as config_lib
 from replayssm_jax.pallas import common, gdn_mosaic
 from tests.helpers import (assert_rows_agree, assert_store_waits_only_compiled, gdn_step_f64,
                            lower_for_h200, make_gdn_step, max_err, run_each_setting,
@@ -191,65 +190,6 @@ def test_verify_long_windows_parity():
   assert longest >= 8, longest
 
 
-@pytest.fixture
-def tensor_readouts(monkeypatch):
-  """Makes the Mosaic verify take its readouts in closed form (one tensor-core product per tile)."""
-  monkeypatch.setattr(config_lib, "gdn_verify_readouts", lambda **kw: "tensor")
-
-
-@pytest.mark.parametrize("num_tokens,buffer_len,steps", [(1, 4, 8), (2, 4, 8), (4, 8, 14)])
-def test_verify_tensor_readouts_parity(tensor_readouts, num_tokens, buffer_len, steps):
-  """The closed form (readouts="tensor") in lockstep with XLA and float64, as the loop above:
-  float32 tokens, so the product's operand is three bf16 terms of each k and q; padded lanes NaN."""
-  _random_accepts(num_tokens, buffer_len, steps, impl=IMPL, conventional=False)
-
-
-def test_verify_tensor_readouts_forced_flush_with_pending_drafts(tensor_readouts):
-  _forced_flush_with_pending_drafts(impl=IMPL, conventional=False)
-
-
-def test_verify_tensor_readouts_bf16_tokens():
-  """bf16 q and k (the product's operand is one bf16 term): outputs, checkpoints and rings of the
-  closed form equal the token loop's to float32 rounding, over steps with flushes and short rows."""
-  rng = np.random.default_rng(7)
-  t, L = 4, 8
-  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=L, max_draft=t - 1)
-  S0 = jnp.asarray(0.3 * rng.normal(size=(NUM_SLOTS, HV, V, K)), jnp.float32)
-  bufs = _poisoned_buffers(cursor, jnp.float32, S0)
-  twins = {"loop": bufs, "tensor": bufs}
-  flushes = 0
-  for step in range(6):
-    slots = _slots_at(step)
-    lengths = jnp.asarray(rng.integers(1, t + 1, size=len(SLOTS)), jnp.int32)
-    x = make_gdn_step(rng, len(SLOTS) * t, HK, HV, K, V).as_jax()
-    q, k, v, g, beta = (a.reshape((len(SLOTS), t) + a.shape[1:]) for a in x)
-    q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
-    plan = cursor.plan(slots, num_tokens=t)
-    flushes += int(np.sum(np.asarray(plan.flush)))
-    out = {}
-    for mode in twins:
-      out[mode], twins[mode] = gdn_mosaic.replay_verify(q, k, v, g, beta, twins[mode], plan,
-                                                        lengths, scale=K ** -0.5, readouts=mode)
-    _assert_close("o", out["tensor"], out["loop"], 1e-2)   # bf16 outputs: one rounding apart
-    for field in ("state", "ring_u", "ring_g", "ring_k"):
-      _assert_close(field, getattr(twins["tensor"], field), getattr(twins["loop"], field),
-                    2e-5 if field == "state" else 1e-2)
-    cursor = cursor.commit(plan, jnp.asarray(rng.integers(1, np.asarray(lengths) + 1), jnp.int32))
-  assert flushes >= 2, flushes
-
-
-def test_verify_readouts_argument_is_checked():
-  cursor = rs.ReplayCursor.create(NUM_SLOTS, buffer_len=16, max_draft=8)
-  bufs = _poisoned_buffers(cursor, jnp.float32, jnp.zeros((NUM_SLOTS, HV, V, K)))
-  x = make_gdn_step(np.random.default_rng(0), len(SLOTS) * 9, HK, HV, K, V).as_jax()
-  args = [a.reshape((len(SLOTS), 9) + a.shape[1:]) for a in x]
-  plan, lengths = cursor.plan(_slots_at(5), num_tokens=9), jnp.full((len(SLOTS),), 9, jnp.int32)
-  with pytest.raises(ValueError, match="readouts='fast'"):
-    gdn_mosaic.replay_verify(*args, bufs, plan, lengths, scale=1.0, readouts="fast")
-  with pytest.raises(NotImplementedError, match="T = 9"):
-    gdn_mosaic.replay_verify(*args, bufs, plan, lengths, scale=1.0, readouts="tensor")
-
-
 def test_verify_rows_per_program_change_the_grid_not_results(monkeypatch):
   """1, 2 or 4 batch rows per verify program (4: two pairs, so a buffer is staged again while the
   other row computes) leave bitwise the same checkpoints and rings after steps with natural and
@@ -315,8 +255,7 @@ def test_unsupported_inputs_raise():
 P_HK, P_HV, P_K, P_V, P_B, P_N, P_L = 16, 32, 128, 128, 8, 16, 16
 
 
-KERNELS = ["decode", "decode_rows4", "replay", "replay_rows4", "materialize", "verify", "verify_rows4",
-           "verify_tensor", "verify_tensor_rows4"]
+KERNELS = ["decode", "decode_rows4", "replay", "replay_rows4", "materialize", "verify", "verify_rows4"]
 
 
 def _h200_call(kernel, state_dtype):
@@ -344,15 +283,11 @@ def _h200_call(kernel, state_dtype):
                                        head_k_dim=P_K, head_v_dim=P_V, state_dtype=state_dtype,
                                        ring_dtype=bf16)
     tokens = tuple(jnp.stack([x] * 4, axis=1) for x in step)
-    lengths = jnp.full((P_B,), 4, jnp.int32)
     if kernel == "verify":
       verify = lambda b, p, *x: rs.gdn.replay_verify(*x, b, p, implementation=IMPL)
-    elif kernel == "verify_rows4":   # four rows per program: doubled SMEM buffers, the next row
+    else:   # four rows per program: doubled SMEM buffers, the next row staged during this one
+      lengths = jnp.full((P_B,), 4, jnp.int32)
       verify = lambda b, p, *x: gdn_mosaic.replay_verify(*x, b, p, lengths, scale=1.0, rows=4)
-    else:                            # the closed form's tensor-core readouts
-      rows = 4 if kernel.endswith("rows4") else 1
-      verify = lambda b, p, *x: gdn_mosaic.replay_verify(*x, b, p, lengths, scale=1.0, rows=rows,
-                                                         readouts="tensor")
     return verify, (0,), (bufs, cursor.plan(slots, num_tokens=4), *tokens)
   if kernel == "replay":
     return (lambda b, p, *x: rs.gdn.replay_decode(*x, b, p, implementation=IMPL),
@@ -372,8 +307,7 @@ def test_lowers_for_h200(kernel, state_dtype):
   assert text.count("tf.aliasing_output") == {"decode": 1, "decode_rows4": 1, "replay": 4,
                                                "replay_rows4": 4,
                                                "materialize": 0, "verify": 4,
-                                               "verify_rows4": 4, "verify_tensor": 4,
-                                               "verify_tensor_rows4": 4}[kernel]
+                                               "verify_rows4": 4}[kernel]
 
 
 @pytest.mark.parametrize("kernel", ["decode_rows4", "replay_rows4", "materialize", "verify_rows4"])

@@ -108,22 +108,6 @@ def test_compiled_mosaic_verify_rows_per_program(monkeypatch, rows):
   assert errs["replay"] < 5e-5 and errs["state"] < 5e-5, errs
 
 
-@pytest.mark.parametrize("num_tokens,buffer_len,state_dtype,rows", [
-    (2, 8, jnp.float32, 1), (4, 8, jnp.float32, 1), (4, 8, jnp.float32, 4), (8, 16, jnp.float32, 1),
-    (4, 8, jnp.bfloat16, 1)])
-def test_compiled_mosaic_verify_tensor_readouts(monkeypatch, num_tokens, buffer_len, state_dtype,
-                                                rows):
-  """The closed form (readouts="tensor": S_0·[k_i, q_i] as three bf16 wgmma products of the tile's
-  split against the tokens' three bf16 terms, float32 here) against float64: a TF32 or a
-  one-term bf16 product would show errors near 1e-3."""
-  monkeypatch.setattr(config_lib, "gdn_verify_readouts", lambda **kw: "tensor")
-  set_mosaic_rows(monkeypatch, rows, "mosaic_verify_config")
-  errs = _run(num_tokens, buffer_len, state_dtype, steps=3 * buffer_len // num_tokens + 4, seed=6,
-              impl="pallas_mosaic")
-  bound = 5e-5 if state_dtype == jnp.float32 else 5e-2
-  assert errs["replay"] < bound and errs["state"] < bound, errs
-
-
 def test_compiled_verify_split_route(monkeypatch):
   """The split output-only route (readout launch, then the step kernel on the readouts) against
   float64."""

@@ -33,7 +33,7 @@ P, N, H, G = 64, 128, 128, 8   # Mamba2 head (Nemotron-3-Super)
 KEYS = {"gdn_decode": set(STATES), "gdn_flush_decode": set(STATES), "gdn_fold_tiles": set(STATES),
         "mamba2_decode": set(STATES), "mamba2_replay_route": set(STATES),
         "verify_mosaic": set(FAMILY_STATE), "replay_min_batch": set(FAMILY_STATE),
-        "mamba2_replay_step": set(config.ROUTES), "verify_readouts": {"gdn", "mamba2"}}
+        "mamba2_replay_step": set(config.ROUTES)}
 
 
 def _tables(device):
@@ -237,10 +237,6 @@ CHECKS = {
         lambda kind, key, pt: config.mosaic_verify_config(
             device_kind=kind, head_v_dim=V, batch=pt["batch"], num_tokens=pt["tokens"]).rows,
         lambda e, kind, key, pt: e),
-    "verify_readouts": (
-        lambda kind, key, pt: getattr(config, f"{key}_verify_readouts")(
-            device_kind=kind, batch=pt["batch"], num_tokens=pt["tokens"]),
-        lambda e, kind, key, pt: e),
     "attention_decode": (_attention_launch,
                          lambda e, kind, key, pt: (e["block_kv"], e["num_warps"], e["num_stages"])),
     "grouped_matmul": (lambda kind, key, pt: config.grouped_matmul_config(device_kind=kind,
@@ -287,8 +283,6 @@ def test_values_are_valid():
             assert config._pow2(value)
           elif name == "verify_mosaic":
             assert isinstance(value, bool)
-          elif name == "verify_readouts":
-            assert value in ("loop", "tensor")
           elif name == "replay_min_batch":
             assert isinstance(value, int) and value >= 0
           elif name == "mamba2_flush_block_n":

@@ -67,16 +67,6 @@ def test_verify_random_accepts_parity(num_tokens):
   _random_accepts(num_tokens, 4, impl=IMPL, conventional=False)
 
 
-@pytest.mark.parametrize("num_tokens,buffer_len", [(1, 4), (2, 4), (4, 8)])
-def test_verify_tensor_readouts_parity(monkeypatch, num_tokens, buffer_len):
-  """The closed form (readouts="tensor": y_i = e_i S_0·C_i + Σ_j d_ij x_j, S_0·C_i as one product
-  of the tile's three bf16 terms and C's three) in lockstep with XLA and float64, as above."""
-  from replayssm_jax import config as config_lib
-  from tests.test_mamba2_verify_pallas import _random_accepts
-  monkeypatch.setattr(config_lib, "mamba2_verify_readouts", lambda **kw: "tensor")
-  _random_accepts(num_tokens, buffer_len, impl=IMPL, conventional=False)
-
-
 def test_verify_long_windows_parity():
   """L = 16, T = 2: rows that do not flush carry windows of 8 entries and more (at L = 2T every
   row with a window flushes)."""
@@ -208,16 +198,13 @@ def _h200_call(kernel, state_dtype, buffer_len, geometry):
                                           state_dim=bufs.state_dim, state_dtype=state_dtype,
                                           ring_dtype=jnp.bfloat16)
     tokens = [x if x.ndim == 1 else jnp.stack([x] * 4, axis=1) for x in step]   # A stays [H]
-    lengths = jnp.full(slots.shape, 4, jnp.int32)
     if kernel == "verify":
       verify = lambda b, p, x, dt, A, B, C: rs.mamba2.replay_verify(
           x, dt, A, B, C, b, p, z=x, implementation=IMPL, **extra)
-    else:   # four rows per program (doubled SMEM buffers, the next row staged during this one);
-            # the closed form's tensor-core readouts
-      rows, readouts = (4 if "rows4" in kernel else 1), ("tensor" if "tensor" in kernel else "loop")
+    else:   # four rows per program: doubled SMEM buffers, the next row staged during this one
+      lengths = jnp.full(slots.shape, 4, jnp.int32)
       verify = lambda b, p, x, dt, A, B, C: mamba2_mosaic.replay_verify(
-          x, dt, A, B, C, b, p, lengths, z=x, dt_softplus=True, rows=rows, readouts=readouts,
-          **extra)
+          x, dt, A, B, C, b, p, lengths, z=x, dt_softplus=True, rows=4, **extra)
     return verify, (0,), (bufs, cursor.plan(slots, num_tokens=4), *tokens)
   if kernel == "replay":
     return (lambda b, p, x, dt, A, B, C: rs.mamba2.replay_decode(
@@ -234,8 +221,7 @@ def _h200_call(kernel, state_dtype, buffer_len, geometry):
     ("decode", "float32", 8, "nano"), ("replay", "float32", 16, "super"),
     ("replay", "bfloat16", 8, "super"), ("replay", "float32", 8, "nano"),
     ("verify", "float32", 8, "super"), ("verify", "bfloat16", 8, "super"),
-    ("verify_rows4", "float32", 8, "super"), ("verify_tensor", "float32", 8, "super"),
-    ("verify_tensor_rows4", "float32", 8, "super"), ("replay_rows4", "float32", 8, "super"),
+    ("verify_rows4", "float32", 8, "super"), ("replay_rows4", "float32", 8, "super"),
     ("decode_rows4", "float32", 8, "super")])
 def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
   """Super (P 64, N 128): one Mosaic kernel, every donated buffer updated in place (pool; state
@@ -249,8 +235,9 @@ def test_lowers_for_h200(kernel, state_dtype, buffer_len, geometry):
     return
   text = lower()
   assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
-  # the pool (decode); the state and three rings (replay, verify)
-  assert text.count("tf.aliasing_output") == (1 if kernel.startswith("decode") else 4)
+  assert text.count("tf.aliasing_output") == {"decode": 1, "replay": 4, "verify": 4,
+                                               "verify_rows4": 4, "replay_rows4": 4,
+                                               "decode_rows4": 1}[kernel]
 
 
 @pytest.mark.parametrize("kernel", ["decode_rows4", "replay_rows4", "verify_rows4"])

@@ -25,18 +25,13 @@ staged by TMA while row i computes.
   committed window into the tile (``_fold_window``), steps the T tokens by the delta rule in a
   loop (outputs, ring appends past the window; the per-token g and β, loaded before the window,
   picked by index), and a flushing row stores the tile after token 0 in place: committed history
-  only, one launch. ``readouts="tensor"`` replaces the token loop by its closed form: the readouts
-  S_0·[k_i, q_i] of the tile after the window as one wgmma product (``_readouts``), the T
-  corrected values and outputs from them by T×T coefficients computed in XLA
-  (``_token_products``), and only a flushing row updates the tile, once.
+  only, one launch.
 
 Ring windows are walked entry by entry (``lax.fori_loop`` over ``count`` entries at ring indices
 ``(base + j) mod R``), so entries outside a window (stale or NaN) are staged into SMEM but never
 read. The decay weights ``w_j = exp(Σ_{i>j} g_i)`` come from the recurrence
 ``acc ← e^{g_j} acc + (…)_j`` (the products of e^{g} instead of one exp of the sum: equal to f32
-rounding). Everything is float32 multiply-and-reduce except the closed form's product, which is
-exact to float32 rounding by bf16 terms (``_split3``: a float32 is the sum of three bf16, each
-bf16 × bf16 product is exact in the float32 accumulator); Mosaic's f32 wgmma would be TF32.
+rounding). Everything is float32 multiply-and-reduce, never wgmma (Mosaic f32 wgmma is TF32).
 Padding rows (slot < 0) produce zero output and touch neither checkpoint nor ring.
 
 Layouts (lowering only; the interpreter does not check them): [BV, K] tiles use
@@ -377,179 +372,46 @@ def _materialize_kernel(slots_ref, base_ref, length_ref, state_ref, ring_k_ref, 
   _drain_stores(interpret)
 
 
-def _split3(S):
-  """float32 S as three bfloat16 terms whose float32 sum is S exactly (8 + 8 + 8 significand
-  bits; each residual is exact in float32)."""
-  s1 = S.astype(jnp.bfloat16)
-  r = S - s1.astype(f32)
-  s2 = r.astype(jnp.bfloat16)
-  return s1, s2, (r - s2.astype(f32)).astype(jnp.bfloat16)
-
-
-def _readouts(terms, x_smem, *, interpret):
-  """[BV, N] = S·Xᵀ for S given as ``_split3`` terms (WGMMA-layout registers) and X [N, K] bf16 in
-  swizzled SMEM: three tensor-core products with float32 accumulation, each bf16 × bf16 product
-  exact. The interpreter has no register-operand wgmma; it computes the same three products."""
-  if interpret:
-    x = x_smem[...].astype(f32)
-    return sum(jnp.dot(t.astype(f32), x.T, precision=lax.Precision.HIGHEST) for t in terms[::-1])
-
-  def products(acc):
-    for t in terms:
-      plgpu.wgmma(acc, t, x_smem.T)
-    return acc[...]
-  return pl.run_scoped(products, plgpu.ACC((terms[0].shape[0], x_smem.shape[0]), f32))
-
-
-# The closed-form verify's per-(row, value head) coefficients, float32: the vectors g, β, a, e
-# [T] each, then the matrices c, d [T, T] row-major (``_token_products``).
-_COEF_VECTORS = ("g", "beta", "a", "e")
-
-
-def _coef_index(name, t, i, j=0):
-  if name in _COEF_VECTORS:
-    return _COEF_VECTORS.index(name) * t + i
-  return len(_COEF_VECTORS) * t + ("c", "d").index(name) * t * t + i * t + j
-
-
-# The closed form's coefficients of one (row, value head) must fit one TMA box row (256 floats).
-_TENSOR_MAX_TOKENS = 8
-
-
-def _coef_size(t):
-  """Coefficients per (row, value head), padded to 16 bytes (a TMA box row)."""
-  return -(-(len(_COEF_VECTORS) * t + 2 * t * t) // 4) * 4
-
-
-def _width(t, per_token=2):
-  """Columns of a closed form's product per term of its operand: ``per_token`` vectors of each of
-  T tokens (GDN k and q, Mamba2 C), to a multiple of 8 (wgmma's N)."""
-  return -(-per_token * t // 8) * 8
-
-
-def _product_operand_smem(shape, dtype, *, interpret):
-  """SMEM for a closed form's product operand [m·W, K] bf16: 128-byte swizzled [8, 64] tiles, the
-  wgmma B-operand layout (compiled only: the interpreter's product is a dot, and CPU tests take
-  K = 16)."""
-  swizzled = () if interpret else (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  return plgpu.SMEM(shape, dtype, transforms=swizzled)
-
-
-def _bf16_terms(dtype) -> int:
-  """bfloat16 terms whose sum is exactly a value of ``dtype`` (8 significand bits each)."""
-  return 1 if jnp.dtype(dtype) == jnp.bfloat16 else 3
-
-
-def _token_products(q, k, g, beta, lengths, *, scale, group):
-  """The closed-form verify's inputs (XLA, float32 arithmetic): xt [B, Hk, m·N, K] bf16, the
-  product's operand: k_0..k_{T−1}, q_0..q_{T−1} and zero rows to N = 2T rounded up to 8, as m
-  exact bf16 terms stacked (m = 1 for bf16 q and k, else 3); and coef [B, Hv, _coef_size(T)]:
-  g_i, β_i, a_i = β_i P_i, e_i = scale·P_i, c_ij = β_i d_ij (k_j·k_i) for j < i and
-  d'_ij = scale·d_ij (q_i·k_j) for j ≤ i, with P_i = e^{g_0 + … + g_i}, d_ij = P_i / P_j.
-  Padded lanes (i ≥ lengths) are zeros everywhere."""
-  b, t = q.shape[:2]
-  live = jnp.arange(t)[None, :] < lengths[:, None]                          # [B, T]
-  keep = lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 2)), x, 0)
-  kf, qf = keep(k).astype(f32), keep(q).astype(f32)
-  hi = lax.Precision.HIGHEST
-  kk = jnp.repeat(jnp.einsum("bihd,bjhd->bhij", kf, kf, precision=hi), group, axis=1)
-  qk = jnp.repeat(jnp.einsum("bihd,bjhd->bhij", qf, kf, precision=hi), group, axis=1)
-  g = keep(g.astype(f32)).transpose(0, 2, 1)                                # [B, Hv, T]
-  beta = keep(beta.astype(f32)).transpose(0, 2, 1)
-  G = jnp.cumsum(g, axis=-1)
-  i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-  decay = jnp.exp(jnp.where(j <= i, G[..., :, None] - G[..., None, :], -jnp.inf))
-  c = jnp.where(j < i, beta[..., :, None] * decay * kk, 0.0)
-  d = scale * decay * qk
-  P = jnp.exp(G)
-  coef = jnp.concatenate([g, beta, beta * P, scale * P, c.reshape(c.shape[:2] + (t * t,)),
-                          d.reshape(d.shape[:2] + (t * t,))], axis=-1)
-  coef = jnp.pad(coef, ((0, 0), (0, 0), (0, _coef_size(t) - coef.shape[-1])))
-  x = jnp.concatenate([kf, qf, jnp.zeros((b, _width(t) - 2 * t) + k.shape[2:], f32)], axis=1)
-  terms = _split3(x)[:max(_bf16_terms(q.dtype), _bf16_terms(k.dtype))]
-  return jnp.concatenate(terms, axis=1).transpose(0, 2, 1, 3), coef
-
-
-def _column(A, columns, i):
-  """Σ of the columns of a WGMMA-layout [BV, m·N] array whose ``columns`` index (mod N) is i: the
-  readout of token row i over the m terms of X, as a [BV] vector (``_COL_V``)."""
-  return jnp.sum(jnp.where(columns == i, A, jnp.zeros_like(A)), axis=1)
-
-
-def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, *refs, scale, group,
-                   block_v, ring_size, num_tokens, rows, readouts, interpret, **scratch):
+def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref, k_ref, v_ref,
+                   g_ref, beta_ref, state_ref, ring_k_ref, ring_u_ref, ring_g_ref, *refs,
+                   scale, group, block_v, ring_size, num_tokens, rows, interpret, **scratch):
   """Program (vt, h, z) verifies batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``: with
-  rows ≥ 2 the next row's staging overlaps the current row's work). ``refs``: the token inputs
-  (``readouts="loop"``: q, k, v, g, beta; ``"tensor"``: xt, coef, k, v, see ``_token_products``),
-  state, ring_k, ring_u, ring_g, [read_copy,] o; with a read copy a flushing row's stored tile is
-  also rounded into it (scratch ``C_smem``)."""
-  tensor = readouts == "tensor"
-  tok_refs, refs = refs[:4 if tensor else 5], refs[4 if tensor else 5:]
-  state_ref, ring_k_ref, ring_u_ref, ring_g_ref = refs[:4]
-  copy_ref, o_ref = refs[4:] if len(refs) == 6 else (None, refs[4])
+  rows ≥ 2 the next row's staging overlaps the current row's work). ``refs``: ([read_copy_ref,]
+  o_ref); with a read copy a flushing row's stored tile is also rounded into it (scratch
+  ``C_smem``)."""
+  copy_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
   vt, h, z = lax.axis_index("vt"), lax.axis_index("h"), lax.axis_index("b")
   tile = pl.ds(vt * block_v, block_v)
   hk = h // group
   buffers = _row_buffers(scratch, rows)
-  t = num_tokens
 
   def stage(i, buf):
-    """Issue the TMA of row z·rows + i's checkpoint tile, ring and token inputs into ``buf``."""
+    """Issue the TMA of row z·rows + i's checkpoint tile, ring and T tokens into ``buf``."""
     b = z * rows + i
     _stage_head(state_ref, ring_k_ref, ring_u_ref, ring_g_ref, slots_ref[b], hk, h, tile,
                 buf["S_smem"], buf["rk_smem"], buf["ru_smem"], buf["rg_smem"], buf["bars"])
-    if tensor:
-      xt_ref, coef_ref, k_ref, v_ref = tok_refs
-      copies = ((xt_ref.at[b, hk], buf["x_smem"]), (coef_ref.at[b, h], buf["coef_smem"]),
-                (k_ref.at[b, :, hk], buf["k_smem"]), (v_ref.at[b, :, h, tile], buf["v_smem"]))
-    else:
-      q_ref, k_ref, v_ref = tok_refs[:3]
-      copies = ((q_ref.at[b, :, hk], buf["q_smem"]), (k_ref.at[b, :, hk], buf["k_smem"]),
-                (v_ref.at[b, :, h, tile], buf["v_smem"]))
-    for j, (src, dst) in enumerate(copies):
+    for j, (src, dst) in enumerate(((q_ref.at[b, :, hk], buf["q_smem"]),
+                                    (k_ref.at[b, :, hk], buf["k_smem"]),
+                                    (v_ref.at[b, :, h, tile], buf["v_smem"]))):
       plgpu.copy_gmem_to_smem(src, dst, buf["tok_bars"].at[j])
 
-  def emit(b, s, j, live, put, o, u, g, buf):
-    """Token j's output (zeros on a padded lane) and, on a live lane, its ring append at ``put``."""
-    @pl.when(live)
-    def _():
-      _store(o_ref.at[b, j, h, tile], o.astype(o_ref.dtype))
-
-    @pl.when(~live)
-    def _():
-      _store(o_ref.at[b, j, h, tile], _zeros(block_v).astype(o_ref.dtype))
-
-    @pl.when(live)
-    def _():
-      _store(ring_u_ref.at[s, h, put, tile], u.astype(ring_u_ref.dtype))
-
-      @pl.when(vt == 0)  # g is per head, k per key head: one program appends each
-      def _():
-        ring_g_ref[s, h, put] = g
-
-        @pl.when(h % group == 0)
-        def _():
-          _store(ring_k_ref.at[s, hk, put], _vec(buf["k_smem"].at[j], _ROW_K).astype(ring_k_ref.dtype))
-
-  def store_flush(s, S, buf):
-    """Window + token 0, the committed history only (drafts are never folded), stored in place."""
-    _store(buf["S_smem"], S.astype(buf["S_smem"].dtype))
-    if copy_ref is not None:
-      _store(buf["C_smem"], S.astype(buf["C_smem"].dtype))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(buf["S_smem"], state_ref.at[s, h, tile])
-    if copy_ref is not None:
-      plgpu.copy_smem_to_gmem(buf["C_smem"], copy_ref.at[s, h, tile])
-
-  def tokens_loop(b, s, valid, n, base, count, S, buf):
-    """The T tokens stepped by the delta rule, one tile update and two reductions each."""
-    g_ref, beta_ref = tok_refs[3:]
-    gs = [g_ref[b, j, h] for j in range(t)]
-    betas = [beta_ref[b, j, h] for j in range(t)]
+  def verify_row(i, buf):
+    """Row z·rows + i, staged in ``buf``: window, then the T tokens (outputs, ring appends past
+    the window); a flushing row stores the tile after token 0 (committed history only)."""
+    b = z * rows + i
+    s = slots_ref[b]
+    gs = [g_ref[b, j, h] for j in range(num_tokens)]
+    betas = [beta_ref[b, j, h] for j in range(num_tokens)]
+    base, count, n = base_ref[b], count_ref[b], lengths_ref[b]
+    valid = s >= 0
+    S = _tile_after_window(buf["S_smem"], buf["rk_smem"], buf["ru_smem"], buf["rg_smem"],
+                           buf["bars"], base, count, ring_size)
     _wait_all(buf["tok_bars"], 3)
+    rdt = ring_u_ref.dtype
 
     def token(j, S):
       live = valid & (n > j)
+      put = (base + count + j) % ring_size
       # A padded lane's inputs may be NaN and are never read: it reads token 0's vectors (real on
       # a live row) with g = β = 0, so u = 0 and S is unchanged exactly; its output is a stored 0.
       at = jnp.where(live, j, 0)
@@ -562,55 +424,42 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, *refs
       u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
       S = alpha * S + u[:, None] * k[None, :]
       o = jnp.sum(S * q[None, :], axis=1)
-      pl.when(valid & (flush_ref[b] != 0) & (j == 0))(lambda: store_flush(s, S, buf))
-      emit(b, s, j, live, (base + count + j) % ring_size, o, u, g, buf)
+
+      @pl.when(live)
+      def _():
+        _store(o_ref.at[b, j, h, tile], o.astype(o_ref.dtype))
+
+      @pl.when(~live)
+      def _():
+        _store(o_ref.at[b, j, h, tile], _zeros(block_v).astype(o_ref.dtype))
+
+      @pl.when(valid & (flush_ref[b] != 0) & (j == 0))
+      def _():
+        # Window + token 0: the committed history only; drafts (tokens ≥ 1) are never folded.
+        _store(buf["S_smem"], S.astype(buf["S_smem"].dtype))
+        if copy_ref is not None:
+          _store(buf["C_smem"], S.astype(buf["C_smem"].dtype))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buf["S_smem"], state_ref.at[s, h, tile])
+        if copy_ref is not None:
+          plgpu.copy_smem_to_gmem(buf["C_smem"], copy_ref.at[s, h, tile])
+
+      @pl.when(live)
+      def _():
+        _store(ring_u_ref.at[s, h, put, tile], u.astype(rdt))
+
+        @pl.when(vt == 0)  # g is per head, k per key head: one program appends each
+        def _():
+          ring_g_ref[s, h, put] = g
+
+          @pl.when(h % group == 0)
+          def _():
+            _store(ring_k_ref.at[s, hk, put], k.astype(ring_k_ref.dtype))
       return S
 
     # A loop, not T unrolled copies: 2-19 % faster at every T and batch measured (one H100;
     # bench/RESULTS.md "Mosaic verify: the token loop"); Mamba2's kernel measured no gain.
-    lax.fori_loop(0, t, token, S)
-
-  def tokens_closed_form(b, s, valid, n, base, count, S, buf):
-    """The T tokens from one product: with P_i = e^{g_0 + … + g_i} and d_ij = P_i / P_j,
-    S_{i−1}·k_i = P_{i−1} S_0 k_i + Σ_{j<i} d_{i−1,j} (k_j·k_i) u_j and S_i·q_i alike, so
-    u_i = β_i v_i − a_i (S_0 k_i) − Σ_{j<i} c_ij u_j and o_i = e_i (S_0 q_i) + Σ_{j≤i} d'_ij u_j
-    (coefficients from ``_token_products``); S_0·[k_i, q_i] is one tensor-core product."""
-    terms = _split3(S)
-    _wait_all(buf["tok_bars"], 4)
-    coef = buf["coef_smem"]
-    c = lambda name, i, j=0: coef[_coef_index(name, t, i, j)]
-    A = _readouts(terms, buf["x_smem"], interpret=interpret)
-    columns = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, A.shape, 1), _TILE) % _width(t)
-    us = []
-    for i in range(t):
-      live = valid & (n > i)
-      # A padded lane's coefficients and product columns are zeros (``_token_products``) and it
-      # reads token 0's v (real on a live row, as the loop does), so its u is 0 exactly.
-      v = _vec(buf["v_smem"].at[jnp.where(live, i, 0)], _COL_V)
-      u = c("beta", i) * v - c("a", i) * _column(A, columns, i)
-      for j in range(i):
-        u = u - c("c", i, j) * us[j]
-      us.append(u)
-      o = c("e", i) * _column(A, columns, t + i)
-      for j in range(i + 1):
-        o = o + c("d", i, j) * us[j]
-      if i == 0:
-        @pl.when(valid & (flush_ref[b] != 0))
-        def _():
-          k0 = _vec(buf["k_smem"].at[0], _ROW_K)
-          S0 = terms[0].astype(f32) + terms[1].astype(f32) + terms[2].astype(f32)
-          store_flush(s, jnp.exp(c("g", 0)) * S0 + u[:, None] * k0[None, :], buf)
-      emit(b, s, i, live, (base + count + i) % ring_size, o, u, c("g", i), buf)
-
-  def verify_row(i, buf):
-    """Row z·rows + i, staged in ``buf``: window, then the T tokens (outputs, ring appends past
-    the window); a flushing row stores the tile after token 0 (committed history only)."""
-    b = z * rows + i
-    s = slots_ref[b]
-    base, count, n = base_ref[b], count_ref[b], lengths_ref[b]
-    S = _tile_after_window(buf["S_smem"], buf["rk_smem"], buf["ru_smem"], buf["rg_smem"],
-                           buf["bars"], base, count, ring_size)
-    (tokens_closed_form if tensor else tokens_loop)(b, s, s >= 0, n, base, count, S, buf)
+    lax.fori_loop(0, num_tokens, token, S)
 
   _pipeline_rows(rows, buffers, stage, verify_row, interpret=interpret)
 
@@ -667,37 +516,30 @@ def _replay_decode(q, k, v, g, beta, bufs, plan, *, scale, cfg, interpret):
   return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "cfg", "readouts", "interpret"))
-def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, readouts, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
+def _replay_verify(q, k, v, g, beta, bufs, plan, lengths, *, scale, cfg, interpret):
   batch, t, hk = q.shape[:3]
   hv, vd, kd, bv = bufs.num_v_heads, bufs.head_v_dim, bufs.head_k_dim, cfg.block_v
   kernel = functools.partial(_verify_kernel, scale=scale, group=hv // hk, block_v=bv,
                              ring_size=bufs.ring_size, num_tokens=t, rows=cfg.rows,
-                             readouts=readouts, interpret=interpret)
+                             interpret=interpret)
   written = [bufs.state, bufs.ring_k, bufs.ring_u, bufs.ring_g]
   copy = {}
   if bufs.read_copy is not None:   # written where the checkpoint is, from the same tile
     written.append(bufs.read_copy)
     copy = {"C_smem": plgpu.SMEM((bv, kd), bufs.read_copy.dtype)}
   refs = [jax.new_ref(x) for x in written]   # written Refs: updated in place
-  if readouts == "tensor":
-    xt, coef = _token_products(q, k, g, beta, lengths, scale=scale, group=hv // hk)
-    tokens = (xt, coef, k, v)
-    token_smem = dict(x_smem=_product_operand_smem(xt.shape[2:], xt.dtype, interpret=interpret),
-                      coef_smem=plgpu.SMEM(coef.shape[2:], f32))
-  else:
-    tokens = (q, k, v, g, beta)
-    token_smem = dict(q_smem=plgpu.SMEM((t, kd), q.dtype))
   one = dict(S_smem=plgpu.SMEM((bv, kd), bufs.state.dtype), **copy, **_ring_scratch(bufs, 1, bv),
-             **token_smem, k_smem=plgpu.SMEM((t, kd), k.dtype),
+             q_smem=plgpu.SMEM((t, kd), q.dtype), k_smem=plgpu.SMEM((t, kd), k.dtype),
              v_smem=plgpu.SMEM((t, bv), v.dtype), bars=plgpu.Barrier(num_barriers=4),
-             tok_bars=plgpu.Barrier(num_barriers=4 if readouts == "tensor" else 3))
+             tok_bars=plgpu.Barrier(num_barriers=3))
   o = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
       grid=(vd // bv, hv, batch // cfg.rows), grid_names=("vt", "h", "b"),
       scratch_types=_buffered_scratch(one, cfg.rows), kernel_name="replayssm_gdn_verify_mosaic",
       interpret=_interpret(interpret),
-  )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, *tokens, *refs)
+  )(plan.slots, plan.base, plan.count, plan.flush.astype(jnp.int32), lengths, q, k, v, g, beta,
+    *refs)
   state, ring_k, ring_u, ring_g, *read_copy = (jax.freeze(r) for r in refs)
   return o, bufs.replace(state=state, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g,
                          **({"read_copy": read_copy[0]} if read_copy else {}))
@@ -765,19 +607,6 @@ def _require_lowerable(op, *, head_k_dim, head_v_dim, block_v, ring_size, smem, 
                               + " (use implementation='pallas_triton' or 'xla', or None)")
 
 
-def _verify_readouts(op, readouts, config, *, batch, num_tokens):
-  """A verify wrapper's ``readouts`` argument, None resolved by ``config``; ValueError for an
-  unknown value, NotImplementedError where the closed form cannot take T."""
-  if readouts is None:
-    readouts = config(device_kind=common.device_kind(), batch=batch, num_tokens=num_tokens)
-  if readouts not in ("loop", "tensor"):
-    raise ValueError(f"readouts={readouts!r}; expected None, 'loop' or 'tensor'")
-  if readouts == "tensor" and num_tokens > _TENSOR_MAX_TOKENS:
-    raise NotImplementedError(f"{op}: readouts='tensor' takes T <= {_TENSOR_MAX_TOKENS} tokens "
-                              f"(got T = {num_tokens}); use readouts='loop'")
-  return readouts
-
-
 def _fit(cfg, head_v_dim, block_v):
   return dataclasses.replace(cfg, block_v=min(cfg.block_v if block_v is None else int(block_v),
                                               head_v_dim))
@@ -831,43 +660,32 @@ def replay_decode(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, *, sc
 
 
 def replay_verify(q, k, v, g, beta, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, scale,
-                  block_v=None, rows=None, readouts=None):
+                  block_v=None, rows=None):
   """ReplaySSM GDN speculative verify, reconstruct route (one launch, flush stored in place).
 
   q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; lengths int32[B]. Returns
   (o [B, T, Hv, V] in v.dtype, bufs). ``block_v`` overrides the config's V tile, ``rows`` its
-  batch rows per program (a power of two; reduced to one that divides B). ``readouts``: "loop"
-  (the T tokens stepped by the delta rule on CUDA cores) or "tensor" (closed form: the tile's
-  readouts S·[k_i, q_i] as one product on tensor cores, exact to float32 rounding; T ≤ 8);
-  None: the config's. A read copy is not read; a flushing row's stored tile is rounded
-  into it.
+  batch rows per program (a power of two; reduced to one that divides B). A read copy is not
+  read; a flushing row's stored tile is rounded into it.
   """
-  op = "gdn.replay_verify[pallas_mosaic]"
-  t = q.shape[1]
   cfg = _fit(config_lib.mosaic_verify_config(device_kind=common.device_kind(),
                                              head_v_dim=bufs.head_v_dim, batch=q.shape[0],
-                                             num_tokens=t),
+                                             num_tokens=q.shape[1]),
              bufs.head_v_dim, block_v)
   cfg = _with_rows(cfg, rows, q.shape[0])
-  readouts = _verify_readouts(op, readouts, config_lib.gdn_verify_readouts, batch=q.shape[0],
-                              num_tokens=t)
   smem = _smem_bytes(cfg.block_v, bufs.head_k_dim, heads=1, state_dtype=bufs.state.dtype,
                      ring_size=bufs.ring_size, ring_dtype=bufs.ring_u.dtype)
-  # the tokens' staged k [T, K], v [T, BV] and q [T, K] (loop) or xt [N, K] and coef (tensor)
-  smem += t * (bufs.head_k_dim * k.dtype.itemsize + cfg.block_v * v.dtype.itemsize)
-  if readouts == "tensor":
-    terms = max(_bf16_terms(q.dtype), _bf16_terms(k.dtype))
-    smem += terms * _width(t) * bufs.head_k_dim * 2 + _coef_size(t) * 4
-  else:
-    smem += t * bufs.head_k_dim * q.dtype.itemsize
+  t = q.shape[1]   # the tokens' staged q, k [T, K] and v [T, BV]
+  smem += t * (bufs.head_k_dim * (q.dtype.itemsize + k.dtype.itemsize)
+               + cfg.block_v * v.dtype.itemsize)
   if bufs.read_copy is not None:   # the copy's tile, stored beside the checkpoint's
     smem += cfg.block_v * bufs.head_k_dim * bufs.read_copy.dtype.itemsize
   smem *= _num_buffers(cfg.rows)
-  _require_lowerable(op, head_k_dim=bufs.head_k_dim, head_v_dim=bufs.head_v_dim,
-                     block_v=cfg.block_v, ring_size=bufs.ring_size, smem=smem,
-                     ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
+  _require_lowerable("gdn.replay_verify[pallas_mosaic]", head_k_dim=bufs.head_k_dim,
+                     head_v_dim=bufs.head_v_dim, block_v=cfg.block_v, ring_size=bufs.ring_size,
+                     smem=smem, ring_itemsize=jnp.dtype(bufs.ring_u.dtype).itemsize)
   return _replay_verify(q, k, v, g, beta, bufs, plan, lengths, scale=float(scale), cfg=cfg,
-                        readouts=readouts, interpret=common.mosaic_interpret_mode())
+                        interpret=common.mosaic_interpret_mode())
 
 
 def materialize(bufs: ReplayBuffers, slots, base, length, *, block_v=None):

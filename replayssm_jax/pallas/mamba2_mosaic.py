@@ -18,12 +18,10 @@ buffers are doubled and row i + 1 is staged by TMA while row i computes.
 * ``replay_verify``: the same program for T tokens (speculative verify, reconstruct route): the
   tokens' x and z TMA-staged with the checkpoint, the window replayed, then T steps with their
   ring appends; a flushing row stores the tile after
-  token 0 (committed history only), in the same launch. ``readouts="tensor"``: the T steps in
-  closed form, the readouts S_0·C_i as one wgmma product exact to float32 rounding (GDN's
-  ``_readouts``), only a flushing row updating the tile.
+  token 0 (committed history only), in the same launch.
 
-Everything else is float32 multiply-and-reduce. Padding rows (slot < 0) gather slot 0
-(harmless), produce zero output and write nothing.
+Everything is float32 multiply-and-reduce, never wgmma (Mosaic f32 wgmma is TF32). Padding rows
+(slot < 0) gather slot 0 (harmless), produce zero output and write nothing.
 
 Layouts (lowering only; the interpreter does not check them): the [BP, N] tile uses
 ``Layout.WGMMA``, N vectors (B, C) ``WGMMA.reduce(0)``, P vectors (x, z, y) ``WGMMA.reduce(1)``;
@@ -44,13 +42,11 @@ from replayssm_jax import config as config_lib
 from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.mamba2.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
-from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _bf16_terms,
-                                             _buffered_scratch, _column, _fit, _interpret,
-                                             _num_buffers, _pipeline_rows, _product_operand_smem,
-                                             _readouts, _require_lowerable, _row_buffers,
-                                             _smem_bytes, _split3, _stage_head, _store,
-                                             _tile_after_window, _vec, _verify_readouts,
-                                             _wait_all, _width, _with_rows, _zeros)
+from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _buffered_scratch, _fit,
+                                             _interpret, _num_buffers, _pipeline_rows,
+                                             _require_lowerable, _row_buffers, _smem_bytes,
+                                             _stage_head, _store, _tile_after_window, _vec,
+                                             _wait_all, _with_rows, _zeros)
 
 f32 = jnp.float32
 _ROW_N, _COL_P = _ROW_K, _COL_V   # the GDN [V, K] tile's layouts, read as Mamba2's [P, N]
@@ -214,50 +210,8 @@ def _stage_tokens(r, smem, tok_bars, b, h, g, tile):
     plgpu.copy_gmem_to_smem(src, smem[f"{name}_tok"], tok_bars.at[j])
 
 
-# The closed-form verify's per-(row, head) coefficients, float32: ΔA, Δ, e [T] each, then d
-# [T, T] row-major (``_token_products``).
-_COEF_VECTORS = ("dA", "delta", "e")
-
-
-def _coef_index(name, t, i, j=0):
-  if name in _COEF_VECTORS:
-    return _COEF_VECTORS.index(name) * t + i
-  return len(_COEF_VECTORS) * t + i * t + j
-
-
-def _coef_size(t):
-  """Coefficients per (row, head), padded to 16 bytes (a TMA box row)."""
-  return -(-(len(_COEF_VECTORS) * t + t * t) // 4) * 4
-
-
-def _token_products(dt, A, B, C, lengths, dt_bias, *, dt_softplus, group):
-  """The closed-form verify's inputs (XLA, float32 arithmetic): ct [B, G, m·W, N] bf16, the
-  product's operand: C_0..C_{T−1} and zero rows to W = ``_width(T)``, as m exact bf16 terms
-  stacked (m = 1 for bf16 C, else 3); and coef [B, H, _coef_size(T)]: ΔA_i, Δ_i, e_i = P_i and
-  d_ij = (P_i / P_j) Δ_j (C_i·B_j) for j ≤ i, with Δ = softplus(dt + dt_bias) (the kernels'
-  formula) and P_i = e^{ΔA_0 + … + ΔA_i}. Padded lanes (i ≥ lengths) are zeros everywhere."""
-  b, t = dt.shape[:2]
-  live = jnp.arange(t)[None, :] < lengths[:, None]                          # [B, T]
-  keep = lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 2)), x, 0)
-  dt = dt.astype(f32) + (0.0 if dt_bias is None else dt_bias.astype(f32))
-  delta = keep(common.softplus(dt, log1p=common.log1p_from_log) if dt_softplus else dt)
-  delta = delta.transpose(0, 2, 1)                                          # [B, H, T]
-  dA = delta * A.astype(f32)[None, :, None]
-  cf, bf = keep(C).astype(f32), keep(B).astype(f32)
-  cb = jnp.repeat(jnp.einsum("bign,bjgn->bgij", cf, bf, precision=lax.Precision.HIGHEST), group,
-                  axis=1)
-  G = jnp.cumsum(dA, axis=-1)
-  i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-  decay = jnp.exp(jnp.where(j <= i, G[..., :, None] - G[..., None, :], -jnp.inf))
-  d = decay * delta[..., None, :] * cb
-  coef = jnp.concatenate([dA, delta, jnp.exp(G), d.reshape(d.shape[:2] + (t * t,))], axis=-1)
-  coef = jnp.pad(coef, ((0, 0), (0, 0), (0, _coef_size(t) - coef.shape[-1])))
-  x = jnp.concatenate([cf, jnp.zeros((b, _width(t, 1) - t) + C.shape[2:], f32)], axis=1)
-  return jnp.concatenate(_split3(x)[:_bf16_terms(C.dtype)], axis=1).transpose(0, 2, 1, 3), coef
-
-
 def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens, rows,
-                   readouts, interpret, **scratch):
+                   interpret, **scratch):
   """The replay kernel for T tokens (reconstruct route of speculative verify): window replayed
   into the tile, then T steps, each token appended past the window; a flushing row stores the
   tile after token 0 (committed history only). The T tokens' ``_STAGED`` vectors are TMA-staged
@@ -265,91 +219,52 @@ def _verify_kernel(*refs, names, group, block_p, ring_size, softplus, num_tokens
   replay. Program (pt, h, z) takes batch rows z·rows … z·rows + rows − 1 (``_pipeline_rows``:
   with rows ≥ 2 the next row's staging overlaps the current row's work).
   A padded lane reads token 0's vectors with Δ = 0, so S is unchanged exactly and its own
-  vectors (NaN allowed) are never read.
-
-  ``readouts="tensor"``: the tokens in closed form instead of T tile updates. The update never
-  reads S, so with e_i = P_i and d_ij from ``_token_products``,
-  y_i = e_i (S_0 C_i) + Σ_{j≤i} d_ij x_j (+ D x_i, gated), where S_0·[C_0 … C_{T−1}] is one
-  tensor-core product (staged ``ct_smem``); only a flushing row updates the tile, once."""
+  vectors (NaN allowed) are never read."""
   r = dict(zip(names, refs))
   pt, h, z = lax.axis_index("pt"), lax.axis_index("h"), lax.axis_index("b")
   tile, g = pl.ds(pt * block_p, block_p), h // group
   buffers = _row_buffers(scratch, rows)
-  t, tensor = num_tokens, readouts == "tensor"
-  staged = [name for name in _STAGED if name in r] + (["ct", "coef"] if tensor else [])
 
   def stage(i, buf):
     b = z * rows + i
     _stage_row(r, buf, b, h, g, tile)
     _stage_tokens(r, buf, buf.get("tok_bars"), b, h, g, tile)
-    if tensor:
-      n = len(staged) - 2
-      plgpu.copy_gmem_to_smem(r["ct"].at[b, g], buf["ct_smem"], buf["tok_bars"].at[n])
-      plgpu.copy_gmem_to_smem(r["coef"].at[b, h], buf["coef_smem"], buf["tok_bars"].at[n + 1])
-
-  def emit(b, s, j, live, put, y, dx, dA, vec):
-    """Token j's output (zeros on a padded lane) and, on a live lane, its ring append."""
-    @pl.when(live)
-    def _():
-      _store(r["y_out"].at[b, j, h, tile], y.astype(r["y_out"].dtype))
-      _store(r["ring_x"].at[s, h, put, tile], dx.astype(r["ring_x"].dtype))
-
-      @pl.when(pt == 0)  # ΔA is per head, B per group: one program appends each
-      def _():
-        r["ring_a"][s, h, put] = dA
-
-        @pl.when(h % group == 0)
-        def _():
-          _store(r["ring_B"].at[s, g, put], vec("B").astype(r["ring_B"].dtype))
-
-    @pl.when(~live)
-    def _():
-      _store(r["y_out"].at[b, j, h, tile], _zeros(block_p).astype(r["y_out"].dtype))
-
-  def gated(y, x, vec):
-    if "D" in r:
-      y = y + r["D"][h].astype(f32) * x
-    return common.silu_gate(y, vec("z")) if "z" in r else y
 
   def verify_row(i, buf):
     b = z * rows + i
     s = r["slots"][b]
     base, count, n = r["base"][b], r["count"][b], r["lengths"][b]
-    if not tensor:
-      dts = [r["dt"][b, j, h] for j in range(t)]   # a padded lane's dt is masked by Δ = 0
+    dts = [r["dt"][b, j, h] for j in range(num_tokens)]   # a padded lane's dt is masked by Δ = 0
     valid = s >= 0
-    flush = valid & (r["flush"][b] != 0)
     S = _after_window(buf, buf["bars"], base, count, ring_size)
-    _wait_all(buf.get("tok_bars"), len(staged))
-    if tensor:
-      terms = _split3(S)
-      coef = lambda name, i, j=0: buf["coef_smem"][_coef_index(name, t, i, j)]
-      A = _readouts(terms, buf["ct_smem"], interpret=interpret)
-      columns = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, A.shape, 1), _TILE) % _width(t, 1)
-      xs = []
-    for j in range(t):
+    _wait_all(buf.get("tok_bars"), sum(name in r for name in _STAGED))
+    for j in range(num_tokens):
       live = valid & (n > j)
       put = (base + count + j) % ring_size
       vec = _token_vectors(r, (b, jnp.where(live, j, 0)), h, g, tile, staged=buf)
-      if tensor:
-        x = vec("x")
-        dA, dx = coef("dA", j), coef("delta", j) * x   # Δ = 0 on a padded lane
-        xs.append(x)
-        y = coef("e", j) * _column(A, columns, j)
-        for m in range(j + 1):
-          y = y + coef("d", j, m) * xs[m]
-        y = gated(y, x, vec)
-        if j == 0:   # checkpoint ← window + token 0
-          pl.when(flush)(lambda: _store_checkpoint(
-              r, buf, jnp.exp(dA) * (terms[0].astype(f32) + terms[1].astype(f32)
-                                     + terms[2].astype(f32)) + dx[:, None] * vec("B")[None, :],
-              s, h, tile))
-      else:
-        dA, dx, x = _token(r, dts[j], h, vec, softplus, live)
-        S, y = _step(r, h, vec, S, dA, dx, x)
-        if j == 0:   # checkpoint ← window + token 0
-          pl.when(flush)(lambda: _store_checkpoint(r, buf, S, s, h, tile))
-      emit(b, s, j, live, put, y, dx, dA, vec)
+      dA, dx, x = _token(r, dts[j], h, vec, softplus, live)
+      S, y = _step(r, h, vec, S, dA, dx, x)
+
+      @pl.when(live)
+      def _():
+        _store(r["y_out"].at[b, j, h, tile], y.astype(r["y_out"].dtype))
+        _store(r["ring_x"].at[s, h, put, tile], dx.astype(r["ring_x"].dtype))
+
+        @pl.when(pt == 0)  # ΔA is per head, B per group: one program appends each
+        def _():
+          r["ring_a"][s, h, put] = dA
+
+          @pl.when(h % group == 0)
+          def _():
+            _store(r["ring_B"].at[s, g, put], vec("B").astype(r["ring_B"].dtype))
+
+      @pl.when(~live)
+      def _():
+        _store(r["y_out"].at[b, j, h, tile], _zeros(block_p).astype(r["y_out"].dtype))
+
+      if j == 0:
+        # checkpoint ← window + token 0
+        pl.when(valid & (r["flush"][b] != 0))(lambda: _store_checkpoint(r, buf, S, s, h, tile))
 
   _pipeline_rows(rows, buffers, stage, verify_row, interpret=interpret)
 
@@ -409,26 +324,21 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
   return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "readouts", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "cfg", "interpret"))
 def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_softplus, cfg,
-                   readouts, interpret):
+                   interpret):
   batch, t, h, p = x.shape
-  bp, group = cfg.block_v, h // bufs.num_groups
+  bp = cfg.block_v
   inputs = {**_step_inputs(plan.slots, x, dt, A, B, C, D, z, dt_bias), "base": plan.base,
             "count": plan.count, "flush": plan.flush.astype(jnp.int32), "lengths": lengths}
-  tokens = _token_scratch(inputs, t, bp)
-  if readouts == "tensor":
-    inputs["ct"], inputs["coef"] = _token_products(dt, A, B, C, lengths, dt_bias,
-                                                   dt_softplus=dt_softplus, group=group)
-    tokens.update(ct_smem=_product_operand_smem(inputs["ct"].shape[2:], jnp.bfloat16,
-                                                interpret=interpret),
-                  coef_smem=plgpu.SMEM(inputs["coef"].shape[2:], f32))
   names = ("state", "ring_x", "ring_B", "ring_a") + (() if bufs.read_copy is None else ("read_copy",))
   refs = [jax.new_ref(getattr(bufs, k)) for k in names]   # written Refs: updated in place
+  tokens = _token_scratch(inputs, t, bp)
   copy = {} if bufs.read_copy is None else {"C_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.read_copy.dtype)}
-  kernel = functools.partial(_verify_kernel, names=(*inputs, *names, "y_out"), group=group,
-                             block_p=bp, ring_size=bufs.ring_size, softplus=dt_softplus,
-                             num_tokens=t, rows=cfg.rows, readouts=readouts, interpret=interpret)
+  kernel = functools.partial(_verify_kernel, names=(*inputs, *names, "y_out"),
+                             group=h // bufs.num_groups, block_p=bp, ring_size=bufs.ring_size,
+                             softplus=dt_softplus, num_tokens=t, rows=cfg.rows,
+                             interpret=interpret)
   one = {"S_smem": plgpu.SMEM((bp, bufs.state_dim), bufs.state.dtype), **copy, **_ring_scratch(bufs, bp),
          **tokens, "bars": plgpu.Barrier(num_barriers=4),
          **({"tok_bars": plgpu.Barrier(num_barriers=len(tokens))} if tokens else {})}
@@ -488,33 +398,20 @@ def replay_decode(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, *, D, z
 
 
 def replay_verify(x, dt, A, B, C, bufs: ReplayBuffers, plan: ReplayPlan, lengths, *, D, z, dt_bias,
-                  dt_softplus, block_p=None, rows=None, readouts=None):
+                  dt_softplus, block_p=None, rows=None):
   """ReplaySSM Mamba2 speculative verify, reconstruct route (one launch, flush stored in place).
 
   x, z [B, T, H, P]; dt [B, T, H]; B, C [B, T, G, N]; lengths int32[B]. Returns
   (y [B, T, H, P] in x.dtype, bufs). ``block_p`` overrides the config's P tile, ``rows`` its
-  batch rows per program (a power of two; reduced to one that divides B). ``readouts``: "loop"
-  (T tile updates) or "tensor" (closed form: the readouts S·C_i as one tensor-core product,
-  exact to float32 rounding; T ≤ 8); None: the config's. A read copy is not read; a flushing
-  row's stored tile is rounded into it.
+  batch rows per program (a power of two; reduced to one that divides B). A read copy is not
+  read; a flushing row's stored tile is rounded into it.
   """
-  op = "mamba2.replay_verify[pallas_mosaic]"
-  t = x.shape[1]
-  readouts = _verify_readouts(op, readouts, config_lib.mamba2_verify_readouts,
-                              batch=x.shape[0], num_tokens=t)
   given = _step_inputs(None, x, dt, A, B, C, D, z, dt_bias)
-
-  def tokens(bp):
-    scratch = _token_scratch(given, t, bp)
-    if readouts == "tensor":   # the product operand [m·W, N] bf16 and the coefficients
-      scratch["ct_smem"] = plgpu.SMEM((_bf16_terms(C.dtype) * _width(t, 1), C.shape[-1]),
-                                      jnp.bfloat16)
-      scratch["coef_smem"] = plgpu.SMEM((_coef_size(t),), f32)
-    return scratch
-  cfg = _replay_tile(op, config_lib.mosaic_mamba2_verify_config, bufs, block_p, tokens=tokens,
+  cfg = _replay_tile("mamba2.replay_verify[pallas_mosaic]", config_lib.mosaic_mamba2_verify_config,
+                     bufs, block_p, tokens=lambda bp: _token_scratch(given, x.shape[1], bp),
                      rows=rows, batch=x.shape[0])
   return _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, dt_softplus=dt_softplus,
-                        cfg=cfg, readouts=readouts, interpret=common.mosaic_interpret_mode())
+                        cfg=cfg, interpret=common.mosaic_interpret_mode())
 
 
 def _replay_tile(op, config, bufs, block_p, tokens=None, rows=None, batch=None):
