@@ -17,6 +17,13 @@ def _auto_order() -> tuple[str, ...]:
   return ("pallas_triton", "xla") if jax.default_backend() == "gpu" else ("xla",)
 
 
+def without_mosaic(implementation):
+  """The implementation of an op with no Mosaic kernel (attention, grouped matmul, conv step) under
+  a model- or layer-level name: the same name where it has it ("xla", "pallas_triton"); None (its
+  automatic choice) under "pallas_mosaic", which names the recurrent kernels only."""
+  return None if implementation == "pallas_mosaic" else implementation
+
+
 def resolve(op: str, implementation) -> str | None:
   if implementation is None:
     return None

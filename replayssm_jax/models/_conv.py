@@ -7,7 +7,7 @@ conv_state [N, W-1, C] per pool slot, oldest input first; a verify window [B, W-
 """
 import jax.numpy as jnp
 
-from replayssm_jax import _checks, _slots
+from replayssm_jax import _checks, _dispatch, _slots
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 
 f32 = jnp.float32
@@ -63,13 +63,25 @@ def prefill(x, weight, bias, conv_state, slots, lengths, *, resume=False):
   return out, _slots.scatter_rows(conv_state, slots, tail)
 
 
-def step(x, weight, bias, conv_state, slots):
+def step(x, weight, bias, conv_state, slots, *, implementation=None):
   """One token per row: window = [W-1 stored inputs, x]; out = Σ_i w_i · window_i (+ bias).
-  Returns (pre-activation [B, C] float32, conv_state); padding rows (slot < 0) change nothing."""
-  hist = _slots.gather(conv_state, slots)                                # [B, W-1, C]
-  window = jnp.concatenate([hist, x[:, None, :].astype(hist.dtype)], axis=1)
-  out = _taps(window, weight, bias, 1)[:, 0]
-  return out, _slots.scatter_rows(conv_state, slots, window[:, 1:])
+  Returns (pre-activation [B, C] float32, conv_state); padding rows (slot < 0) change nothing.
+
+  ``implementation``: "xla" (gather, taps, scatter), "pallas_triton" (``pallas.conv_triton``: the
+  slots' states read and written in place, one launch) or None (the fastest available)."""
+  def run_xla():
+    hist = _slots.gather(conv_state, slots)                              # [B, W-1, C]
+    window = jnp.concatenate([hist, x[:, None, :].astype(hist.dtype)], axis=1)
+    out = _taps(window, weight, bias, 1)[:, 0]
+    return out, _slots.scatter_rows(conv_state, slots, window[:, 1:])
+
+  def run_triton():
+    from replayssm_jax.pallas import conv_triton
+    return conv_triton.conv_step(x, weight, bias, conv_state, slots)
+
+  # None keeps XLA first until the kernel's speed is measured on a GPU (bench/NOTES.md, "Conv step").
+  return _dispatch.run("conv.step", implementation, {"xla": run_xla, "pallas_triton": run_triton},
+                       prefer=("xla",))
 
 
 def verify(x, weight, bias, conv_state, slots):

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax import gdn
+from replayssm_jax import _dispatch, gdn
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 from replayssm_jax.models import _conv
 from replayssm_jax.models import _mixer
@@ -265,7 +265,8 @@ class GatedDeltaNet(_mixer.ConvMixer, nnx.Module):
     live = slots >= 0
 
     qkv, z, b, a = self._project(x)
-    conv, conv_state = _conv.step(qkv, self.conv_weight[...], None, cache.conv_state, slots)
+    conv, conv_state = _conv.step(qkv, self.conv_weight[...], None, cache.conv_state, slots,
+                                  implementation=_dispatch.without_mosaic(implementation))
 
     q, k, v, g, beta = self._heads(jax.nn.silu(conv), b, a)
     if replay:

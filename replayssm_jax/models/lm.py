@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from replayssm_jax import _checks, _slots
+from replayssm_jax import _checks, _dispatch, _slots
 from replayssm_jax import config as config_lib
 from replayssm_jax import gdn
 from replayssm_jax import mamba2
@@ -418,13 +418,6 @@ class Block(nnx.Module):
     return (self.mixer.mamba2, self.mixer.attention) if self.layer_type == "parallel" else (self.mixer,)
 
 
-def _layer_implementation(implementation):
-  """The attention and MoE layers' implementation under a model-level one: the same name where
-  they have it ("xla", "pallas_triton"); None (their automatic choice) under "pallas_mosaic",
-  which names the recurrent kernels only (there is no Mosaic attention or grouped matmul)."""
-  return None if implementation == "pallas_mosaic" else implementation
-
-
 class LM(nnx.Module):
   """embedding → blocks → final RMSNorm → head. ``prefill`` / ``decode`` take and return ``LMCache``."""
 
@@ -536,7 +529,7 @@ class LM(nnx.Module):
         h = h + r * self._mixed(sum(ys[1:], ys[0]))
       if block.has_mlp:
         x = block.mlp_norm(h)
-        y = (block.mlp(x, implementation=_layer_implementation(implementation))
+        y = (block.mlp(x, implementation=_dispatch.without_mosaic(implementation))
              if block.mlp_type == "moe" else block.mlp(x))
         # Experts are split over the tensor-parallel axis (partial sums); dense MLPs are replicated.
         h = h + r * (self._mixed(y) if block.mlp_type == "moe" else y)
@@ -634,7 +627,7 @@ class LM(nnx.Module):
       slots: int32[B] pool slots (negative = padding row: no cache change, logits meaningless).
       replay: ReplaySSM decode (True) or conventional decode on the checkpoint pool (False).
       implementation: forwarded to the GDN / Mamba2 ops, the attention and MoE layers
-        (``_layer_implementation``).
+        (``_dispatch.without_mosaic``).
       force_flush: optional bool[B]: these rows fold their window into the checkpoint this step
         (e.g. at a prefix-cache block boundary), leaving an empty window. Replay mode only
         matters; conventional mode always writes the state.
@@ -658,7 +651,7 @@ class LM(nnx.Module):
     def mixer_fn(mixer, x, lc):
       if isinstance(lc, AttentionLayerCache):
         y, lc = mixer.step(x[:, None], lc, slots, start, live[:, None],
-                           implementation=_layer_implementation(implementation))
+                           implementation=_dispatch.without_mosaic(implementation))
         return y[:, 0], lc
       return mixer.decode(x, lc, plan, replay=replay, implementation=implementation)
 
@@ -701,7 +694,7 @@ class LM(nnx.Module):
       replay: ReplaySSM verify (True: drafts in the rings) or conventional verify (False: the
         states after every token in the stacks of an ``init_cache(verify_stacks=True)`` cache).
       implementation: forwarded to ``gdn.replay_verify`` / ``mamba2.replay_verify`` (or their
-        ``verify_conventional``), the attention and MoE layers (``_layer_implementation``).
+        ``verify_conventional``), the attention and MoE layers (``_dispatch.without_mosaic``).
       force_flush: optional bool[B], as in ``decode`` (ReplaySSM only matters).
       return_hidden: keep the final-normed hidden states in ``VerifyStep.hidden`` (``mtp_draft``).
 
@@ -730,7 +723,7 @@ class LM(nnx.Module):
         windows.append(None)
         stacks_out.append(None)
         return mixer.step(x, lc, slots, start, valid,
-                          implementation=_layer_implementation(implementation))
+                          implementation=_dispatch.without_mosaic(implementation))
       if replay:
         y, lc, window = mixer.verify(x, lc, plan, lengths=lengths, implementation=implementation)
       else:
@@ -789,7 +782,7 @@ class LM(nnx.Module):
       slots, start, valid: int32[B], int32[B], bool[B, T] (a prefix of lanes per row), as in
         ``Attention.step``; padding rows (slot < 0) write nothing.
       fresh: the rows start new sequences at position 0 (their KV rows are zeroed first).
-      implementation: the head's attention and MoE implementation (``_layer_implementation``).
+      implementation: the head's attention and MoE implementation (``_dispatch.without_mosaic``).
 
     Returns:
       (logits [B, T, vocab] float32, m [B, T, D], cache).
@@ -805,7 +798,7 @@ class LM(nnx.Module):
       raise ValueError("cache has no MTP head cache; expected one from init_cache(mtp_drafts=k)")
     self._check_tokens("next_tokens", next_tokens, 2, "(int32[B, T])")
     m, kv = self.mtp(self._embed(next_tokens), hidden, cache.mtp.kv, slots, start, valid, fresh=fresh,
-                     implementation=_layer_implementation(implementation))
+                     implementation=_dispatch.without_mosaic(implementation))
     return m, cache.replace(mtp=cache.mtp.replace(kv=kv))
 
   def mtp_draft(self, cache: LMCache, hidden, next_tokens, slots, start, count, *, fresh=False,

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax import mamba2
+from replayssm_jax import _dispatch, mamba2
 from replayssm_jax.cursor import ReplayCursor, ReplayPlan
 from replayssm_jax.models import _conv
 from replayssm_jax.models import _mixer
@@ -306,7 +306,8 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
 
     z, xbc, dt = self._project(x)
     conv, conv_state = _conv.step(xbc, self.conv_weight[...], self.conv_bias[...],
-                                  cache.conv_state, slots)
+                                  cache.conv_state, slots,
+                                  implementation=_dispatch.without_mosaic(implementation))
 
     xs, B, C = self._split(jax.nn.silu(conv))
     A, D, dt, dt_bias, softplus = self._ssm_params(dt)

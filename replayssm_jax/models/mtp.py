@@ -76,7 +76,7 @@ class MTPHead(nnx.Module):
       hidden: [B, T, D] the model's final-normed hidden states g_p (or the head's own m).
       kv: the head's AttentionLayerCache.
       slots, start, valid, fresh: as ``Attention.step`` (valid: bool[B, T], a prefix per row).
-      implementation: the attention / MoE implementation (``lm._layer_implementation``).
+      implementation: the attention / MoE implementation (``_dispatch.without_mosaic``).
 
     Returns:
       (m [B, T, D] after ``norm``, kv).
