@@ -35,8 +35,9 @@ def _x(shape, seed=1):
   return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
 
 
+@pytest.mark.parametrize("implementation", [None, "pallas_triton"])   # Triton: the conv step too
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "conventional"])
-def test_layer_prefill_then_decode_equals_full_prefill(layer, replay):
+def test_layer_prefill_then_decode_equals_full_prefill(layer, replay, implementation):
   # Given a prompt of 9 tokens prefilled into sparse slots, then 23 tokens decoded one by one
   # with buffer_len 4 (5 flushes per row in replay mode),
   bsz, prompt, total, num_slots = 2, 9, 32, 5
@@ -50,7 +51,8 @@ def test_layer_prefill_then_decode_equals_full_prefill(layer, replay):
                             jnp.full((bsz,), prompt, jnp.int32), chunk_size=8)
   assert isinstance(cache, Mamba2LayerCache)
   cursor = cursor.reset(slots)
-  step = jax.jit(lambda xt, cache, plan: layer.decode(xt, cache, plan, replay=replay))
+  step = jax.jit(lambda xt, cache, plan: layer.decode(xt, cache, plan, replay=replay,
+                                                         implementation=implementation))
   ys, flushes = [y0], 0
   for t in range(prompt, total):
     plan = cursor.plan(slots)
