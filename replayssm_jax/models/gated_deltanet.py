@@ -253,7 +253,8 @@ class GatedDeltaNet(_mixer.ConvMixer, nnx.Module):
         ``plan.slots`` is used (conventional decode never reads the cursor or the ring).
       replay: True → ``gdn.replay_decode`` on checkpoint + ring; False → ``gdn.decode`` on
         the checkpoint pool (read + write the state every step).
-      implementation: forwarded to the GDN op (None = fastest available).
+      implementation: forwarded to the GDN op and, as ``_dispatch.without_mosaic`` maps it, the
+        conv step (None = fastest available).
 
     Returns:
       (y [B, D] in the layer dtype, zeros on padding rows; cache). The caller commits the

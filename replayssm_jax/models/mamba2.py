@@ -293,7 +293,8 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
         ``plan.slots`` is used.
       replay: True → ``mamba2.replay_decode`` on checkpoint + ring; False → ``mamba2.decode`` on
         the checkpoint pool.
-      implementation: forwarded to the Mamba2 op (None = fastest available).
+      implementation: forwarded to the Mamba2 op and, as ``_dispatch.without_mosaic`` maps it,
+        the conv step (None = fastest available).
 
     Returns:
       (y [B, D] in the layer dtype, zeros on padding rows; cache). The caller commits the
