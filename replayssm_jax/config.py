@@ -570,6 +570,21 @@ def attention_decode_config(*, device_kind: str, head_dim: int, batch: int, num_
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvStepConfig:
+  """Conv decode-step launch (pallas/conv_triton.py): ``block_c`` channels per program (a power of
+  two dividing C), warps."""
+  block_c: int
+  num_warps: int
+
+
+def conv_step_config(*, channels: int) -> ConvStepConfig:
+  """The largest power-of-two block dividing C, up to 1024 channels; one warp per 256 channels
+  (a bandwidth-bound elementwise pass; not swept)."""
+  block = min(_pow2_part(channels), 1024)
+  return ConvStepConfig(block_c=block, num_warps=max(1, min(8, block // 256)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupedMatmulConfig:
   """MoE grouped-matmul launch (pallas/moe_triton.py): [block_m, block_n] output tiles, K walked in
   blocks of block_k (all powers of two ≥ 16: Triton's smallest dot), warps, pipeline stages."""

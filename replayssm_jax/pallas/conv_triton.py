@@ -22,28 +22,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from replayssm_jax import _checks
+from replayssm_jax import _checks, config
 from replayssm_jax.pallas import common
 
 f32 = jnp.float32
 OP = "conv.step[pallas_triton]"
-MAX_BLOCK_C = 1024     # channels per program
 MIN_BLOCK_C = 16       # below this a channel count's largest power-of-two divisor is not worth a launch
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvStepConfig:
-  """One launch: ``block_c`` channels per program (a power of two dividing C), Triton warps."""
-  block_c: int
-  num_warps: int
-
-
-def step_config(channels: int) -> ConvStepConfig:
-  """The largest power-of-two channel block dividing C, up to ``MAX_BLOCK_C``; one warp per 256
-  channels (a bandwidth-bound elementwise pass; not swept)."""
-  block = channels & -channels          # largest power of two dividing C
-  block = min(block, MAX_BLOCK_C)
-  return ConvStepConfig(block_c=block, num_warps=max(1, min(8, block // 256)))
 
 
 def _kernel(slots_ref, x_ref, w_ref, *refs, width, block_c, has_bias):
@@ -115,7 +99,7 @@ def conv_step(x, weight, bias, conv_state, slots, *, block_c=None, num_warps=Non
   _checks.expect_shape("conv_state", conv_state, (None, width - 1, channels),
                        f"([N, W-1, C] with W={width}, C={channels})")
   _checks.expect_slots("slots", slots, bsz)
-  cfg = step_config(channels)
+  cfg = config.conv_step_config(channels=channels)
   if block_c is not None:
     if not common.is_pow2(block_c) or channels % block_c:
       raise ValueError(f"block_c={block_c}; expected a power of two dividing C={channels}")
