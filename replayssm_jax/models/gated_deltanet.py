@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax import _dispatch, gdn
-from replayssm_jax.cursor import ReplayCursor, ReplayPlan
+from replayssm_jax import gdn
+from replayssm_jax.cursor import ReplayCursor
 from replayssm_jax.models import _conv
 from replayssm_jax.models import _mixer
 
@@ -194,6 +194,14 @@ class GatedDeltaNet(_mixer.ConvMixer, nnx.Module):
     o = o * self.norm_weight[...].astype(f32) * jax.nn.silu(z.astype(f32))
     return self.out_proj(o.reshape(*o.shape[:-2], c.value_dim).astype(c.dtype))
 
+  def _op_inputs(self, x, conv):
+    """x [B, (T,) D] through the projections and ``conv(pre-conv q|k|v, weight, bias)`` (the conv
+    step or verify, returning (output, its second result)) → ((q, k, v, g, β), {}, z, the conv's
+    second result), the arguments of the ``gdn`` ops."""
+    qkv, z, b, a = self._project(x)
+    out, conv_aux = conv(qkv, self.conv_weight[...], None)
+    return self._heads(jax.nn.silu(out), b, a), {}, z, conv_aux
+
   # ---- prefill -----------------------------------------------------------------------------
 
   def prefill(self, x, cache: GdnLayerCache, slots, lengths, *, chunk_size=64, initial_state=None):
@@ -240,81 +248,3 @@ class GatedDeltaNet(_mixer.ConvMixer, nnx.Module):
 
     bufs, _ = gdn.write_state(cache.bufs, _conv.stand_in_cursor(cache.bufs), slots, S)
     return y, GdnLayerCache(conv_state=conv_state, bufs=bufs)
-
-  # ---- decode ------------------------------------------------------------------------------
-
-  def decode(self, x, cache: GdnLayerCache, plan: ReplayPlan, *, replay=True, implementation=None):
-    """One decode token per row.
-
-    Args:
-      x: [B, D] activations of the current token.
-      cache: this layer's GdnLayerCache.
-      plan: ReplayPlan from the model's shared ``cursor.plan(slots)``. With ``replay=False`` only
-        ``plan.slots`` is used (conventional decode never reads the cursor or the ring).
-      replay: True → ``gdn.replay_decode`` on checkpoint + ring; False → ``gdn.decode`` on
-        the checkpoint pool (read + write the state every step).
-      implementation: forwarded to the GDN op and, as ``_dispatch.without_mosaic`` maps it, the
-        conv step (None = fastest available).
-
-    Returns:
-      (y [B, D] in the layer dtype, zeros on padding rows; cache). The caller commits the
-      cursor once for all layers (replay mode only).
-    """
-    self._check_x("x", x, 2, "([B, D])")
-    self._check_cache(cache)
-    slots = _conv.plan_slots(plan, x.shape[0])
-    live = slots >= 0
-
-    qkv, z, b, a = self._project(x)
-    conv, conv_state = _conv.step(qkv, self.conv_weight[...], None, cache.conv_state, slots,
-                                  implementation=_dispatch.without_mosaic(implementation))
-
-    q, k, v, g, beta = self._heads(jax.nn.silu(conv), b, a)
-    if replay:
-      o, bufs = gdn.replay_decode(q, k, v, g, beta, cache.bufs, plan, implementation=implementation)
-    else:
-      _mixer.check_conventional(cache.bufs)
-      o, state = gdn.decode(q, k, v, g, beta, cache.bufs.state, slots, implementation=implementation)
-      bufs = cache.bufs.replace(state=state)
-    y = jnp.where(live[:, None], self._output(o, z), 0)
-    return y, GdnLayerCache(conv_state=conv_state, bufs=bufs)
-
-  # ---- speculative verify ------------------------------------------------------------------
-
-  def verify(self, x, cache: GdnLayerCache, plan: ReplayPlan, *, lengths=None, implementation=None):
-    """T tokens per row in one step (token 0 = the emitted token, then T-1 drafts), ReplaySSM only.
-
-    The T tokens go through the causal conv (continuing the slot's stored inputs) and
-    ``gdn.replay_verify``: the ring gets all T entries past the live window, the cursor and the
-    conv state stay as they are. ``commit`` then keeps the accepted prefix (the model commits the
-    shared cursor once for all layers).
-
-    Args:
-      x: [B, T, D] activations, T = ``plan.num_tokens``.
-      cache: this layer's GdnLayerCache.
-      plan: ReplayPlan from the model's shared ``cursor.plan(slots, num_tokens=T)``.
-      lengths: optional int32[B] real tokens per row in [1, T] (None: all T); padded lanes are
-        inert. Commit at most ``lengths[b]`` tokens.
-      implementation: forwarded to ``gdn.replay_verify`` (None = fastest available).
-
-    Returns:
-      (y [B, T, D] in the layer dtype, zeros on padding rows; cache with the ring written;
-      window [B, W-1+T, C], the conv inputs ``commit`` needs to roll the conv state forward).
-    """
-    self._check_x("x", x, 3, "([B, T, D])")
-    self._check_cache(cache)
-    slots = _conv.plan_slots(plan, x.shape[0])
-
-    args, kwargs, z, window = self._verify_inputs(x, cache, slots)
-    o, bufs = gdn.replay_verify(*args, cache.bufs, plan, lengths=lengths, implementation=implementation,
-                                **kwargs)
-    y = jnp.where((slots >= 0)[:, None, None], self._output(o, z), 0)
-    return y, cache.replace(bufs=bufs), window
-
-  def _verify_inputs(self, x, cache: GdnLayerCache, slots):
-    """T tokens per row through the projections and the conv (continuing the slot's stored
-    inputs): ((q, k, v, g, β), op keywords, z, conv window), shared by ReplaySSM verify and the
-    conventional speculative baseline (``models._stack_verify``)."""
-    qkv, z, b, a = self._project(x)
-    conv, window = _conv.verify(qkv, self.conv_weight[...], None, cache.conv_state, slots)
-    return self._heads(jax.nn.silu(conv), b, a), {}, z, window

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from replayssm_jax import _dispatch, mamba2
-from replayssm_jax.cursor import ReplayCursor, ReplayPlan
+from replayssm_jax import mamba2
+from replayssm_jax.cursor import ReplayCursor
 from replayssm_jax.models import _conv
 from replayssm_jax.models import _mixer
 
@@ -231,6 +231,16 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
       g = g * gate
     return self.out_proj(g.astype(c.dtype))
 
+  def _op_inputs(self, x, conv):
+    """x [B, (T,) D] through the projections and ``conv(pre-conv x|B|C, weight, bias)`` (the conv
+    step or verify, returning (output, its second result)) → ((x, dt, A, B, C), the op keywords
+    D / dt_bias / dt_softplus, z, the conv's second result), the arguments of the ``mamba2`` ops."""
+    z, xbc, dt = self._project(x)
+    out, conv_aux = conv(xbc, self.conv_weight[...], self.conv_bias[...])
+    xs, B, C = self._split(jax.nn.silu(out))
+    A, D, dt, dt_bias, softplus = self._ssm_params(dt)
+    return (xs, dt, A, B, C), dict(D=D, dt_bias=dt_bias, dt_softplus=softplus), z, conv_aux
+
   # ---- prefill -----------------------------------------------------------------------------
 
   def prefill(self, x, cache: Mamba2LayerCache, slots, lengths, *, chunk_size=64, initial_state=None):
@@ -280,87 +290,3 @@ class Mamba2(_mixer.ConvMixer, nnx.Module):
 
     bufs, _ = mamba2.write_state(cache.bufs, _conv.stand_in_cursor(cache.bufs), slots, S)
     return y, Mamba2LayerCache(conv_state=conv_state, bufs=bufs)
-
-  # ---- decode ------------------------------------------------------------------------------
-
-  def decode(self, x, cache: Mamba2LayerCache, plan: ReplayPlan, *, replay=True, implementation=None):
-    """One decode token per row.
-
-    Args:
-      x: [B, D] activations of the current token.
-      cache: this layer's Mamba2LayerCache.
-      plan: ReplayPlan from the model's shared ``cursor.plan(slots)``. With ``replay=False`` only
-        ``plan.slots`` is used.
-      replay: True → ``mamba2.replay_decode`` on checkpoint + ring; False → ``mamba2.decode`` on
-        the checkpoint pool.
-      implementation: forwarded to the Mamba2 op and, as ``_dispatch.without_mosaic`` maps it,
-        the conv step (None = fastest available).
-
-    Returns:
-      (y [B, D] in the layer dtype, zeros on padding rows; cache). The caller commits the
-      cursor once for all layers (replay mode only).
-    """
-    self._check_x("x", x, 2, "([B, D])")
-    self._check_cache(cache)
-    slots = _conv.plan_slots(plan, x.shape[0])
-    live = slots >= 0
-
-    z, xbc, dt = self._project(x)
-    conv, conv_state = _conv.step(xbc, self.conv_weight[...], self.conv_bias[...],
-                                  cache.conv_state, slots,
-                                  implementation=_dispatch.without_mosaic(implementation))
-
-    xs, B, C = self._split(jax.nn.silu(conv))
-    A, D, dt, dt_bias, softplus = self._ssm_params(dt)
-    if replay:
-      y, bufs = mamba2.replay_decode(xs, dt, A, B, C, cache.bufs, plan, D=D, dt_bias=dt_bias,
-                                     dt_softplus=softplus, implementation=implementation)
-    else:
-      _mixer.check_conventional(cache.bufs)
-      y, state = mamba2.decode(xs, dt, A, B, C, cache.bufs.state, slots, D=D, dt_bias=dt_bias,
-                               dt_softplus=softplus, implementation=implementation)
-      bufs = cache.bufs.replace(state=state)
-    y = jnp.where(live[:, None], self._output(y, z), 0)
-    return y, Mamba2LayerCache(conv_state=conv_state, bufs=bufs)
-
-  # ---- speculative verify ------------------------------------------------------------------
-
-  def verify(self, x, cache: Mamba2LayerCache, plan: ReplayPlan, *, lengths=None, implementation=None):
-    """T tokens per row in one step (token 0 = the emitted token, then T-1 drafts), ReplaySSM only.
-
-    As ``GatedDeltaNet.verify``: conv (continuing the slot's stored inputs), then
-    ``mamba2.replay_verify``; the ring gets all T entries, cursor and conv state stay as they are
-    until ``commit``.
-
-    Args:
-      x: [B, T, D] activations, T = ``plan.num_tokens``.
-      cache: this layer's Mamba2LayerCache.
-      plan: ReplayPlan from the model's shared ``cursor.plan(slots, num_tokens=T)``.
-      lengths: optional int32[B] real tokens per row in [1, T] (None: all T); padded lanes are
-        inert. Commit at most ``lengths[b]`` tokens.
-      implementation: forwarded to ``mamba2.replay_verify`` (None = fastest available).
-
-    Returns:
-      (y [B, T, D] in the layer dtype, zeros on padding rows; cache with the ring written;
-      window [B, W-1+T, C], the conv inputs ``commit`` needs to roll the conv state forward).
-    """
-    self._check_x("x", x, 3, "([B, T, D])")
-    self._check_cache(cache)
-    slots = _conv.plan_slots(plan, x.shape[0])
-
-    args, kwargs, z, window = self._verify_inputs(x, cache, slots)
-    y, bufs = mamba2.replay_verify(*args, cache.bufs, plan, lengths=lengths,
-                                   implementation=implementation, **kwargs)
-    y = jnp.where((slots >= 0)[:, None, None], self._output(y, z), 0)
-    return y, cache.replace(bufs=bufs), window
-
-  def _verify_inputs(self, x, cache: Mamba2LayerCache, slots):
-    """T tokens per row through the projections and the conv (continuing the slot's stored
-    inputs): ((x, Δ or dt, A, B, C), op keywords, z, conv window), shared by ReplaySSM verify and
-    the conventional speculative baseline (``models._stack_verify``)."""
-    z, xbc, dt = self._project(x)
-    conv, window = _conv.verify(xbc, self.conv_weight[...], self.conv_bias[...], cache.conv_state,
-                                slots)
-    xs, B, C = self._split(jax.nn.silu(conv))
-    A, D, dt, dt_bias, softplus = self._ssm_params(dt)
-    return (xs, dt, A, B, C), dict(D=D, dt_bias=dt_bias, dt_softplus=softplus), z, window
