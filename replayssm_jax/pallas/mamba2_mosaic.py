@@ -43,7 +43,7 @@ from replayssm_jax.cursor import ReplayPlan
 from replayssm_jax.mamba2.buffers import ReplayBuffers
 from replayssm_jax.pallas import common
 from replayssm_jax.pallas.gdn_mosaic import (_COL_V, _ROW_K, _TILE, _buffered_scratch, _fit,
-                                             _interpret, _num_buffers, _pipeline_rows,
+                                             _launch_options, _num_buffers, _pipeline_rows,
                                              _require_lowerable, _row_buffers, _smem_bytes,
                                              _stage_head, _store, _tile_after_window, _vec,
                                              _wait_all, _with_rows, _zeros)
@@ -297,7 +297,7 @@ def _decode(x, dt, A, B, C, pool, slots, D, z, dt_bias, *, dt_softplus, cfg, int
       kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
       grid=(p // cfg.block_v, h, batch // cfg.rows), grid_names=("pt", "h", "b"),
       scratch_types=_buffered_scratch(one, cfg.rows),
-      kernel_name="replayssm_mamba2_decode_mosaic", interpret=_interpret(interpret),
+      kernel_name="replayssm_mamba2_decode_mosaic", **_launch_options(interpret),
   )(*inputs.values(), pool_ref)
   return y, jax.freeze(pool_ref)
 
@@ -319,7 +319,7 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
       kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
       grid=(p // bp, h, batch // cfg.rows), grid_names=("pt", "h", "b"),
       scratch_types=_buffered_scratch(one, cfg.rows),
-      kernel_name="replayssm_mamba2_replay_mosaic", interpret=_interpret(interpret),
+      kernel_name="replayssm_mamba2_replay_mosaic", **_launch_options(interpret),
   )(*inputs.values(), *refs)
   return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
 
@@ -346,7 +346,7 @@ def _replay_verify(x, dt, A, B, C, bufs, plan, lengths, D, z, dt_bias, *, dt_sof
       kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
       grid=(p // bp, h, batch // cfg.rows), grid_names=("pt", "h", "b"),
       scratch_types=_buffered_scratch(one, cfg.rows),
-      kernel_name="replayssm_mamba2_verify_mosaic", interpret=_interpret(interpret),
+      kernel_name="replayssm_mamba2_verify_mosaic", **_launch_options(interpret),
   )(*inputs.values(), *refs)
   return y, bufs.replace(**{k: jax.freeze(ref) for k, ref in zip(names, refs)})
 
