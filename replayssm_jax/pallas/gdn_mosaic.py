@@ -416,14 +416,16 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
       # a live row) with g = β = 0, so u = 0 and S is unchanged exactly; its output is a stored 0.
       at = jnp.where(live, j, 0)
       k = _vec(buf["k_smem"].at[at], _ROW_K)
-      q = _vec(buf["q_smem"].at[at], _ROW_K) * scale
       v = _vec(buf["v_smem"].at[at], _COL_V)
       g = jnp.where(live, _pick(gs, j).astype(f32), 0.0)
       beta = jnp.where(live, _pick(betas, j).astype(f32), 0.0)
       alpha = jnp.exp(g)
       u = beta * (v - alpha * jnp.sum(S * k[None, :], axis=1))
       S = alpha * S + u[:, None] * k[None, :]
-      o = jnp.sum(S * q[None, :], axis=1)
+      # q is read where it is used, not with k and v: 2 % at T = 4, B = 256 (one H100; bench/
+      # RESULTS.md "Mosaic kernels without Pallas' automatic barriers").
+      q = _vec(buf["q_smem"].at[at], _ROW_K)
+      o = jnp.sum(S * q[None, :], axis=1) * scale
 
       @pl.when(live)
       def _():
