@@ -68,7 +68,8 @@ def step(x, weight, bias, conv_state, slots, *, implementation=None):
   Returns (pre-activation [B, C] float32, conv_state); padding rows (slot < 0) change nothing.
 
   ``implementation``: "xla" (gather, taps, scatter), "pallas_triton" (``pallas.conv_triton``: the
-  slots' states read and written in place, one launch) or None (the fastest available)."""
+  slots' states read and written in place, one launch) or None (the kernel on a GPU, measured
+  faster inside the models: bench/RESULTS.md "The conv-step kernel"; XLA elsewhere)."""
   def run_xla():
     hist = _slots.gather(conv_state, slots)                              # [B, W-1, C]
     window = jnp.concatenate([hist, x[:, None, :].astype(hist.dtype)], axis=1)
@@ -79,9 +80,7 @@ def step(x, weight, bias, conv_state, slots, *, implementation=None):
     from replayssm_jax.pallas import conv_triton
     return conv_triton.conv_step(x, weight, bias, conv_state, slots)
 
-  # None keeps XLA first until the kernel's speed is measured on a GPU (bench/NOTES.md, "Conv step").
-  return _dispatch.run("conv.step", implementation, {"xla": run_xla, "pallas_triton": run_triton},
-                       prefer=("xla",))
+  return _dispatch.run("conv.step", implementation, {"xla": run_xla, "pallas_triton": run_triton})
 
 
 def verify(x, weight, bias, conv_state, slots):
