@@ -474,7 +474,8 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
 # kernels a thread rewrites only the tile elements it loaded itself (one layout both ways), and
 # every SMEM hand-off between threads or to TMA passes an mbarrier (TMA in) or ``commit_smem``,
 # whose warpgroup barrier Pallas keeps. Verify T = 4, B = 256, L = 8, f32, one H100: GDN
-# 0.3689 → 0.3536 ms, Mamba2 0.6716 → 0.6661 (bench/RESULTS.md, "Speculative verify").
+# 0.3689 → 0.3536 ms, Mamba2 0.6716 → 0.6661; decode 0.3-1 % (bench/RESULTS.md, "Mosaic kernels
+# without Pallas' automatic barriers").
 _COMPILER_PARAMS = plgpu.CompilerParams(unsafe_no_auto_barriers=True)
 
 
