@@ -470,12 +470,12 @@ def _verify_kernel(slots_ref, base_ref, count_ref, flush_ref, lengths_ref, q_ref
 # Builders.
 # ----------------------------------------------------------------------------------------------
 
-# Pallas' automatic warpgroup barriers (around every SMEM load and store) are dropped: in these
-# kernels a thread rewrites only the tile elements it loaded itself (one layout both ways), and
-# every SMEM hand-off between threads or to TMA passes an mbarrier (TMA in) or ``commit_smem``,
-# whose warpgroup barrier Pallas keeps. Verify T = 4, B = 256, L = 8, f32, one H100: GDN
-# 0.3689 → 0.3536 ms, Mamba2 0.6716 → 0.6661; decode 0.3-1 % (bench/RESULTS.md, "Mosaic kernels
-# without Pallas' automatic barriers").
+# Pallas' automatic warpgroup barriers (around every vector store, before every TMA into SMEM) are
+# dropped: in these kernels a thread rewrites only the tile elements it loaded itself (one layout
+# both ways), and every SMEM hand-off between threads or to TMA passes an mbarrier (TMA in) or
+# ``commit_smem``, whose warpgroup barrier Pallas keeps. Verify T = 4, B = 256, L = 8, f32, one
+# H100: GDN 0.3689 → 0.3536 ms, Mamba2 0.6716 → 0.6661; decode 0.3-1 % (bench/RESULTS.md,
+# "Mosaic kernels without Pallas' automatic barriers").
 _COMPILER_PARAMS = plgpu.CompilerParams(unsafe_no_auto_barriers=True)
 
 
