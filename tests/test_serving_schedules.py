@@ -1,9 +1,9 @@
 """Seeded random schedules of the serving engine against the plain engine (CPU, float32).
 
 Each seed draws 1–5 greedy requests (prompts that repeat a block of four ids, so the n-gram
-drafter hits, or random ids; some start with an earlier request's prompt or prompt and tokens, so prefix caching
-hits), their join steps, per-request draft counts (the engine's k or fewer,
-0 included), stop tokens taken from the plain stream, and the engine's options: ReplaySSM or
+drafter hits, or random ids; some start with an earlier request's prompt, or its prompt and
+tokens, so prefix caching hits), their join steps, per-request draft counts (the engine's k or
+fewer, 0 included), stop tokens taken from the plain stream, and the engine's options: ReplaySSM or
 conventional verify, k = 1–3 drafts, overlapped or synchronous steps, prefix caching on or off
 and a preempt → resume at a random step. Models: test_serving_spec's looping hybrid (GDN,
 attention, MoE) and a Mamba2 / attention / GDN stack made to loop the same way. Every request must
@@ -15,8 +15,9 @@ import pytest
 
 from bench.engine_spec import looping_model
 from replayssm_jax.models import LMConfig, make_model
-from replayssm_jax.serving import Engine, EngineConfig
+from replayssm_jax.serving import EngineConfig
 from tests.test_serving import HYBRID, MAX_PROMPT
+from tests.test_serving_spec import _schedule
 
 # One pool shape and bucket for every engine here: the plain and drafting engines of a model and
 # verify mode share their compiled programs across seeds.
@@ -33,26 +34,13 @@ def models():
           "mamba2": looping_model(make_model(MAMBA2_HYBRID, seed=0), mixer_scale=0.15)}
 
 
-def _run(model, config, requests, joins, preempt_at=None, directory=None):
-  """Submits request i at step ``joins[i]`` (``requests[i]`` = (prompt, max_new_tokens,
-  num_drafts, stop_tokens)); preempts to ``directory`` and resumes before step ``preempt_at``.
-  Returns the tokens per request."""
-  engine = Engine(model, config)
-  step, pending = 0, list(range(len(requests)))
-  while pending or not engine.idle:
-    for i in [i for i in pending if joins[i] <= step]:
-      prompt, new, drafts, stop = requests[i]
-      engine.submit(prompt, max_new_tokens=new, num_drafts=drafts, stop_tokens=stop,
-                    request_id=f"r{i}")
-      pending.remove(i)
-    if step == preempt_at and not engine.idle:
-      engine.preempt(directory)
-      engine = Engine.resume(directory)
-    engine.step()
-    step += 1
-    assert step < 500, "the schedule did not finish"
-  out = engine.outputs()
-  return [out[f"r{i}"] for i in range(len(requests))]
+def _run(model, config, prompts, new, drafts=None, joins=None, stops=None, **preempt):
+  """Tokens per request of ``test_serving_spec._schedule`` (greedy; stop tokens ``stops[i]``;
+  ``preempt``: its ``preempt_at`` and ``directory``)."""
+  n = len(prompts)
+  submit = {i: dict(stop_tokens=stop) for i, stop in enumerate(stops or [()] * n)}
+  return _schedule(model, config, joins or [0] * n, submit, prompts=prompts, new=new,
+                   drafts=drafts or [None] * n, options={}, **preempt)[0]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -74,12 +62,12 @@ def test_random_schedule_equals_plain_greedy(models, seed, tmp_path):
       j = rng.randint(i)
       earlier = prompts[j]
       if rng.rand() < 0.5:
-        earlier = earlier + _run(model, plain_config, [(earlier, new[j], None, ())], [0])[0]
+        earlier = earlier + _run(model, plain_config, [earlier], [new[j]])[0]
       prompt = (earlier + prompt)[:MAX_PROMPT - 4]
     prompts.append(prompt)
     new.append(int(rng.randint(1, 16)))
   n = len(prompts)
-  plain = _run(model, plain_config, [(p, m, None, ()) for p, m in zip(prompts, new)], [0] * n)
+  plain = _run(model, plain_config, prompts, new)
 
   k = int(rng.randint(1, 4))
   drafts = [None if rng.rand() < 0.5 else int(rng.randint(0, k + 1)) for _ in range(n)]
@@ -89,8 +77,8 @@ def test_random_schedule_equals_plain_greedy(models, seed, tmp_path):
                         prefix_block=int(rng.choice([0, 8])))
   preempt_at = int(rng.randint(1, 10)) if rng.rand() < 0.4 else None
 
-  got = _run(model, config, list(zip(prompts, new, drafts, stops)), joins, preempt_at,
-             tmp_path / "ckpt")
+  got = _run(model, config, prompts, new, drafts, joins, stops, preempt_at=preempt_at,
+             directory=tmp_path / "ckpt")
   want = [tokens[:tokens.index(stop[0]) + 1] if stop else tokens
           for tokens, stop in zip(plain, stops)]
   assert got == want, (f"seed {seed}: {kind} replay={replay} k={k} drafts={drafts} joins={joins} "

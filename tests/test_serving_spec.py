@@ -76,9 +76,11 @@ def plain(model):
 
 
 def _schedule(model, config, joins, submit=None, *, prompts=PROMPTS, new=NEW, drafts=DRAFTS,
-              options=SUBMIT):
+              options=SUBMIT, preempt_at=None, directory=None):
   """Submits request i (``prompts[i]``, ``new[i]`` tokens, ``drafts[i]`` drafts, ``options``
-  updated by ``submit``) at step joins[i]; returns (tokens per request, engine)."""
+  updated by ``submit``) at step joins[i]; with ``preempt_at`` the engine is preempted to
+  ``directory`` and resumed before that step (if it still runs). Returns (tokens per request,
+  engine)."""
   submit = {i: options.get(i, {}) | (submit or {}).get(i, {}) for i in range(len(prompts))}
   engine = Engine(model, config)
   step, pending = 0, list(range(len(prompts)))
@@ -87,6 +89,9 @@ def _schedule(model, config, joins, submit=None, *, prompts=PROMPTS, new=NEW, dr
       engine.submit(prompts[i], max_new_tokens=new[i], num_drafts=drafts[i], request_id=f"r{i}",
                     **submit[i])
       pending.remove(i)
+    if step == preempt_at and not engine.idle:
+      engine.preempt(directory)
+      engine = Engine.resume(directory)
     engine.step()
     step += 1
   out = engine.outputs()
