@@ -149,8 +149,9 @@ and more than one MTP layer raise ``NotImplementedError``.
 
 Mamba2 step size: Δ = softplus(dt + dt_bias) clipped to ``time_step_limit`` ((0, ∞) in released
 checkpoints, so nothing is clipped), as NVIDIA's reference implementation does, in prefill and
-decode alike. transformers' Nemotron-H instead clamps Δ at ``time_step_min`` (an initialisation
-parameter) in its chunked prefill and not in its decode step; see the README. transformers' Granite
+decode alike. transformers' Nemotron-H up to 5.24 instead clamped Δ at ``time_step_min`` (an
+initialisation parameter) in its chunked prefill and not in its decode step (from 5.25 it follows
+``time_step_limit``); see tests/data/README.md. transformers' Granite
 4.0, Bamba and Falcon-H1 clamp at ``time_step_limit`` in their prefill and not in their decode step,
 which agree for the released (0, ∞).
 

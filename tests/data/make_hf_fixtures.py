@@ -20,7 +20,8 @@ and two files of references computed by transformers from that directory, loaded
   ``recompute_p``       int32 [32]          argmax of a fresh no-cache forward over prompt + greedy_p[:t]
   ``dt_below_min_p``    float32 []          (Mamba2 and Nemotron-H) fraction of softplus(dt + dt_bias)
                                             over the prompt's prefill, all mixers, below ``time_step_min``
-  Nemotron-H also has every array but ``prompt_p`` again with the suffix ``_unpatched`` (see below).
+  Nemotron-H made by a transformers whose mixer clamps at ``time_step_min`` (up to 5.24) also has
+  every array but ``prompt_p`` again with the suffix ``_unpatched`` (see below).
 ``reference.json``: the seed, layer kinds and sizes, the checks below and their outcomes.
 
 Multi-token prediction (fixtures ``qwen3_5_mtp`` and ``qwen3_next_mtp``, whose head's block has the
@@ -40,9 +41,13 @@ names released checkpoints use (``mtp.fc.weight``, ``mtp.layers.0.*``, ...), and
                                             outputs), each from a no-cache forward of the head
 
 transformers runs in float32 on one CPU thread with deterministic algorithms and its plain torch
-code paths (eager attention, eager experts; the script refuses to run where mamba_ssm,
-causal_conv1d, flash-linear-attention or kernels are importable). Running it twice writes
-byte-identical files.
+code paths: eager attention, eager experts, Hub kernels off (``USE_HUB_KERNELS=NO``, set before
+transformers is imported, and ``use_kernels=False``: from 5.25 transformers depends on the
+``kernels`` package and otherwise fetches kernels from the Hub); the script refuses to run where
+mamba_ssm, causal_conv1d or flash-linear-attention are importable. Running it twice on one machine
+writes byte-identical files; another CPU can round a torch CPU kernel differently (one float32
+ulp of one ``A_log`` of ``qwen3_5_mtp``, and with it the MTP fixtures' logits by ~1e-6 relative,
+between two machines).
 
 Every tensor in the state dict (norms, biases, A_log, dt_bias, D, conv, routers, correction biases,
 experts, the vision tower) is redrawn from a generator seeded by the fixture seed and the tensor's
@@ -53,13 +58,15 @@ float32 implementation must pick the same tokens and experts.
 
 Mamba2 dt clamping. The reference semantics (``mamba_ssm``'s ``dt_limit``) clamp dt to
 ``time_step_limit``, which is (0, inf) in released checkpoints; ``time_step_min`` only sets the
-initial dt_bias. transformers' ``NemotronHMamba2Mixer`` instead sets ``time_step_limit =
+initial dt_bias. transformers' ``NemotronHMamba2Mixer`` up to 5.24 instead sets ``time_step_limit =
 (config.time_step_min, inf)`` and clamps with it in its chunked prefill scan, not in its one-token
-decode step. The references here are computed with each Nemotron-H mixer's ``time_step_limit``
-attribute set back to ``config.time_step_limit`` after loading (``_follow_dt_limit``); the
-``*_unpatched`` arrays are what transformers gives without that change. ``dt_bias`` is drawn so
-that part of the heads run with dt below ``time_step_min`` and the rest well above it, so the two
-semantics differ visibly. ``Mamba2Mixer`` already clamps with ``config.time_step_limit``.
+decode step; from 5.25 it takes ``config.time_step_limit``. The references are computed with each
+Nemotron-H mixer's ``time_step_limit`` attribute set to ``config.time_step_limit`` after loading
+(``_follow_dt_limit``); where transformers' own value differed, the ``*_unpatched`` arrays are what
+transformers gave without that change (``reference.json``'s ``dt_limit`` records its value).
+``dt_bias`` is drawn so that part of the heads run with dt below ``time_step_min`` and the rest
+well above it, so the two semantics differ visibly. ``Mamba2Mixer`` already clamps with
+``config.time_step_limit``.
 ``GraniteMoeHybridMambaLayer``, ``BambaMixer`` and ``FalconH1Mixer`` clamp with
 ``config.time_step_limit`` in their chunked prefill and not in their decode step; the Granite,
 Bamba and Falcon-H1 fixtures keep the released (0, inf), where both agree.
@@ -75,6 +82,7 @@ import datetime
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import platform
 import shutil
@@ -85,7 +93,9 @@ import numpy as np
 import safetensors
 import safetensors.torch
 import torch
-import transformers
+
+os.environ["USE_HUB_KERNELS"] = "NO"   # read by transformers when it loads a model
+import transformers  # noqa: E402
 from torch import nn
 from transformers import (BambaConfig, BambaForCausalLM, FalconH1Config, FalconH1ForCausalLM,
                           GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM,
@@ -106,6 +116,7 @@ MAX_SEED_TRIES = 50
 ZERO_CENTRED_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")  # y = x̂ · (1 + w)
 PLAIN_NORMS = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated",
                "NemotronHRMSNorm", "NemotronHRMSNormGated", "Mamba2RMSNorm", "MambaRMSNormGated",
+               "Mamba2RMSNormGated",  # transformers 5.25's name of MambaRMSNormGated
                "GraniteMoeHybridRMSNorm", "GraniteMoeHybridRMSNormGated", "BambaRMSNorm", "BambaRMSNormGated",
                "FalconH1RMSNorm", "FalconH1RMSNormGated")
 MAMBA2_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer")
@@ -415,19 +426,24 @@ def _mtp_references(name, model, path, draw_seed, prompt_list, arrays):
 # ---- running transformers ------------------------------------------------------------------
 
 def _load(cls, path):
-  model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")
+  model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+                              use_kernels=False)
   model.eval()
   model.generation_config.eos_token_id = None
   model.generation_config.pad_token_id = None
   return model
 
 
+def _nemotron_h_mixers(model):
+  return [m for m in model.modules() if isinstance(m, nemotron_h_modeling.NemotronHMamba2Mixer)]
+
+
 def _follow_dt_limit(model):
-  """Sets each Nemotron-H mixer's dt clamp to ``config.time_step_limit`` (transformers uses (time_step_min, inf))."""
+  """Sets each Nemotron-H mixer's dt clamp to ``config.time_step_limit`` (transformers up to 5.24 used
+  (time_step_min, inf)). Returns that limit."""
   limit = tuple(float(x) for x in model.config.time_step_limit)
-  for module in model.modules():
-    if isinstance(module, nemotron_h_modeling.NemotronHMamba2Mixer):
-      module.time_step_limit = limit
+  for module in _nemotron_h_mixers(model):
+    module.time_step_limit = limit
   return limit
 
 
@@ -587,9 +603,11 @@ def build(name, prompt_list):
     source.save_pretrained(path)
     del source
     model = _load(cls, path)
-    unpatched = None
+    unpatched = own_limit = None
     if isinstance(model, NemotronHForCausalLM):
-      unpatched = _references(model, prompt_list, suffix="_unpatched")
+      own_limit = {tuple(float(x) for x in m.time_step_limit) for m in _nemotron_h_mixers(model)}
+      if own_limit != {tuple(float(x) for x in model.config.time_step_limit)}:
+        unpatched = _references(model, prompt_list, suffix="_unpatched")
       limit = _follow_dt_limit(model)
     arrays, checks = _references(model, prompt_list)
     if _margins_ok(checks):
@@ -600,11 +618,14 @@ def build(name, prompt_list):
   record = dict(architecture=type(model).__name__, model_type=config.model_type, draw_seed=draw_seed,
                 config=_summary(config), checks=checks, prompts=[p.tolist() for p in prompt_list],
                 attn_implementation="eager", experts_implementation="eager", made_with=_versions())
-  if unpatched is not None:
-    arrays |= unpatched[0]
+  if own_limit is not None:
     record["dt_limit"] = dict(
         reference=f"mixer.time_step_limit = config.time_step_limit = {limit}",
-        transformers_default=f"mixer.time_step_limit = (config.time_step_min, inf) = ({config.time_step_min}, inf)",
+        transformers_default=f"mixer.time_step_limit = {sorted(own_limit)}",
+        transformers_follows_time_step_limit=unpatched is None)
+  if unpatched is not None:
+    arrays |= unpatched[0]
+    record["dt_limit"] |= dict(
         checks_unpatched=unpatched[1],
         prefill_rel_l2_unpatched_vs_reference=[
             _rel_l2(arrays[f"prefill_logits_{p}_unpatched"], arrays[f"prefill_logits_{p}"]) for p in range(2)],
@@ -630,7 +651,7 @@ def _seed_of(name, attempt):
 
 def _check_torch_path():
   """The references must come from transformers' torch code paths, not optional CUDA/Triton packages."""
-  present = [p for p in ("mamba_ssm", "causal_conv1d", "fla", "kernels") if importlib.util.find_spec(p)]
+  present = [p for p in ("mamba_ssm", "causal_conv1d", "fla") if importlib.util.find_spec(p)]
   if present or torch.cuda.is_available():
     raise RuntimeError(f"run this on a CPU-only environment without {present or 'CUDA'}: "
                        f"the fixtures record transformers' torch reference path")
