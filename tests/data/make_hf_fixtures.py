@@ -20,8 +20,6 @@ and two files of references computed by transformers from that directory, loaded
   ``recompute_p``       int32 [32]          argmax of a fresh no-cache forward over prompt + greedy_p[:t]
   ``dt_below_min_p``    float32 []          (Mamba2 and Nemotron-H) fraction of softplus(dt + dt_bias)
                                             over the prompt's prefill, all mixers, below ``time_step_min``
-  Nemotron-H made by a transformers whose mixer clamps at ``time_step_min`` (up to 5.24) also has
-  every array but ``prompt_p`` again with the suffix ``_unpatched`` (see below).
 ``reference.json``: the seed, layer kinds and sizes, the checks below and their outcomes.
 
 Multi-token prediction (fixtures ``qwen3_5_mtp`` and ``qwen3_next_mtp``, whose head's block has the
@@ -62,8 +60,7 @@ initial dt_bias. transformers' ``NemotronHMamba2Mixer`` up to 5.24 instead sets 
 (config.time_step_min, inf)`` and clamps with it in its chunked prefill scan, not in its one-token
 decode step; from 5.25 it takes ``config.time_step_limit``. The references are computed with each
 Nemotron-H mixer's ``time_step_limit`` attribute set to ``config.time_step_limit`` after loading
-(``_follow_dt_limit``); where transformers' own value differed, the ``*_unpatched`` arrays are what
-transformers gave without that change (``reference.json``'s ``dt_limit`` records its value).
+(``_follow_dt_limit``); ``reference.json``'s ``dt_limit`` records transformers' own value.
 ``dt_bias`` is drawn so that part of the heads run with dt below ``time_step_min`` and the rest
 well above it, so the two semantics differ visibly. ``Mamba2Mixer`` already clamps with
 ``config.time_step_limit``.
@@ -528,7 +525,7 @@ class _DtBelowMin:
 
 
 @torch.no_grad()
-def _references(model, prompt_list, *, suffix=""):
+def _references(model, prompt_list):
   arrays, checks = {}, {}
   for p, prompt in enumerate(prompt_list):
     gaps, dt = _RouterGaps(model), _DtBelowMin(model)
@@ -537,7 +534,7 @@ def _references(model, prompt_list, *, suffix=""):
     result = _run(model, prompt)
     gaps.close()
     for key, value in result.items():
-      arrays[f"{key}_{p}{suffix}"] = value
+      arrays[f"{key}_{p}"] = value
     checks[f"prompt_{p}"] = dict(
         length=len(prompt), cached_equals_recompute=bool((result["greedy"] == result["recompute"]).all()),
         first_disagreement=int(np.argmax(result["greedy"] != result["recompute"]))
@@ -545,7 +542,7 @@ def _references(model, prompt_list, *, suffix=""):
         min_greedy_logit_gap=_logit_gap(result["decode_logits"]),
         min_router_gap=None if math.isinf(gaps.gap) else gaps.gap)  # None: no routers
     if dt.total:
-      arrays[f"dt_below_min_{p}{suffix}"] = np.float32(dt.fraction())
+      arrays[f"dt_below_min_{p}"] = np.float32(dt.fraction())
       checks[f"prompt_{p}"]["dt_below_time_step_min"] = dt.fraction()
   return arrays, checks
 
@@ -553,10 +550,6 @@ def _references(model, prompt_list, *, suffix=""):
 def _margins_ok(checks):
   return all(c["min_greedy_logit_gap"] >= MIN_LOGIT_GAP and (c["min_router_gap"] or math.inf) >= MIN_ROUTER_GAP
              for c in checks.values())
-
-
-def _rel_l2(a, b):
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _summary(config):
@@ -603,11 +596,9 @@ def build(name, prompt_list):
     source.save_pretrained(path)
     del source
     model = _load(cls, path)
-    unpatched = own_limit = None
+    own_limit = None
     if isinstance(model, NemotronHForCausalLM):
-      own_limit = {tuple(float(x) for x in m.time_step_limit) for m in _nemotron_h_mixers(model)}
-      if own_limit != {tuple(float(x) for x in model.config.time_step_limit)}:
-        unpatched = _references(model, prompt_list, suffix="_unpatched")
+      own_limit = sorted({tuple(float(x) for x in m.time_step_limit) for m in _nemotron_h_mixers(model)})
       limit = _follow_dt_limit(model)
     arrays, checks = _references(model, prompt_list)
     if _margins_ok(checks):
@@ -621,16 +612,8 @@ def build(name, prompt_list):
   if own_limit is not None:
     record["dt_limit"] = dict(
         reference=f"mixer.time_step_limit = config.time_step_limit = {limit}",
-        transformers_default=f"mixer.time_step_limit = {sorted(own_limit)}",
-        transformers_follows_time_step_limit=unpatched is None)
-  if unpatched is not None:
-    arrays |= unpatched[0]
-    record["dt_limit"] |= dict(
-        checks_unpatched=unpatched[1],
-        prefill_rel_l2_unpatched_vs_reference=[
-            _rel_l2(arrays[f"prefill_logits_{p}_unpatched"], arrays[f"prefill_logits_{p}"]) for p in range(2)],
-        greedy_equal_unpatched_vs_reference=[
-            bool((arrays[f"greedy_{p}_unpatched"] == arrays[f"greedy_{p}"]).all()) for p in range(2)])
+        transformers_default=f"mixer.time_step_limit = {own_limit}",
+        transformers_follows_time_step_limit=own_limit == [limit])
   if isinstance(model, (Mamba2ForCausalLM, GraniteMoeHybridForCausalLM, BambaForCausalLM, FalconH1ForCausalLM)):
     limits = {tuple(m.time_step_limit) for m in model.modules()
               if type(m).__name__ in ("Mamba2Mixer", "GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer")}
