@@ -292,8 +292,11 @@ H200 = DeviceTables(
                                  "moe_decode_2026-12-04_prefill_rows.json")),
 )
 
-# H100: the H200's tiles (not swept on the H100), with the Mosaic verify preference measured on
-# one H100. f32, L = 8, ms Triton reconstruct / Mosaic: GDN T = 2 B = 8 0.0158 / 0.0163, B = 256
+# H100: the H200's tiles, with the Mosaic verify preference measured on one H100. At B = 256 no
+# other tile beat the H200's by 2 % there (conventional decode of both families, GDN bf16 replay,
+# Mamba2 bf16 replay at L = 8 / 16; mamba2_decode_2026-12-07_h100_bf16_replay_tiles.json,
+# {mamba2,gdn}_decode_2026-12-07_h100_conv_tiles.json, gdn_decode_2026-12-07_h100_bf16_replay_tiles.json).
+# Verify, f32, L = 8, ms Triton reconstruct / Mosaic: GDN T = 2 B = 8 0.0158 / 0.0163, B = 256
 # 0.3059 / 0.2978 (a tie: Triton stays first); T = 4 B = 32 / 128 / 256 0.0710 / 0.0585,
 # 0.2540 / 0.2065, 0.4996 / 0.4016; T = 8 B = 8 0.0360 / 0.0274, B = 256 0.8642 / 0.6296; Mamba2
 # T = 4 B = 256 0.9426 / 0.6787 (its other shapes follow the H200, where Mosaic led at every one).
