@@ -39,6 +39,8 @@ from jax import lax
 # start, so set on import, before any computation; GPU timing does not use the CPU client.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
+from replayssm_jax.pallas import register_caps  # noqa: E402  (after the setting above)
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
 _T0 = time.perf_counter()
@@ -127,6 +129,7 @@ def run_metadata(argv: list[str] | None, module: str, *, git_commit_override: st
       "git_commit": git_commit_override or os.environ.get("GIT_COMMIT") or git_commit(),
       "source_digest": source_digest(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "register_caps": register_caps.active_caps(),
       "nvidia_smi": nvidia_smi(),
   }
 

@@ -18,6 +18,9 @@ from jax.experimental.pallas import triton as plt
 # traced before it once (the first kernel compiled twice; ~15 s per interpreted verify kernel).
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401
 
+# Imported for its effect: the register caps that jaxlib 0.12+ needs on the replay kernels.
+from replayssm_jax.pallas import register_caps as _register_caps  # noqa: F401
+
 _force_lowering = contextvars.ContextVar("replayssm_force_lowering", default=False)
 
 

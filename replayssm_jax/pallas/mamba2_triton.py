@@ -48,6 +48,9 @@ from replayssm_jax.replay import window_decays, window_offsets
 f32 = jnp.float32
 ROUTES = ("auto", "output_only", "reconstruct")
 OPTIONAL = ("D", "dt_bias", "z")
+# One name per route, as GDN's kernels have: register caps (pallas/register_caps.py) are per name.
+_STEP_KERNEL_NAMES = {"output_only": "replayssm_mamba2_replay_step",
+                      "reconstruct": "replayssm_mamba2_reconstruct"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,7 +303,7 @@ def _replay_decode(x, dt, A, B, C, bufs, plan, D, z, dt_bias, *, dt_softplus, cf
                 {"y_out": x, **{k + "_out": v for k, v in buffers.items()}},
                 {k: k + "_out" for k in buffers},
                 grid=(p // step.block_p, h // step.heads, batch), cfg=step,
-                name="replayssm_mamba2_replay_step", interpret=interpret)
+                name=_STEP_KERNEL_NAMES[cfg.route], interpret=interpret)
   return out["y_out"], fold_flushing_rows(with_step_buffers(bufs, out, fields), plan, cfg=cfg,
                                           interpret=interpret)
 
