@@ -86,7 +86,7 @@ def test_caps_reach_exactly_the_kernels_named(lowered_caps):
     assert lowered_caps(_gdn_step, *args) == {"replayssm_gdn_replay_step": None, "replayssm_gdn_fold": 96}
   with register_caps.use_caps({}):
     assert lowered_caps(_gdn_step, *args) == {"replayssm_gdn_replay_step": None, "replayssm_gdn_fold": None}
-  with register_caps.use_caps({"gdn_replay_step": 64}):   # a part of a name is not a name
+  with register_caps.use_caps({"replayssm_gdn_replay": 64}):   # a part of a name is not a name
     assert set(lowered_caps(_gdn_step, *args).values()) == {None}
   before = register_caps.active_caps()
   with register_caps.use_caps(register_caps.CAPS):
@@ -104,7 +104,8 @@ def test_mamba2_caps_cover_the_output_only_route_only(lowered_caps):
 
 @pytest.mark.parametrize("caps, match", [
     ([("replayssm_gdn_fold", 128)], "expected a mapping"),
-    ({"": 128}, "non-empty strings"),
+    ({"": 128}, "kernel names are this library's pallas_call names"),
+    ({"gdn_replay_step": 128}, r"replayssm_<family>_<kernel>; got 'gdn_replay_step'"),
     ({"replayssm_gdn_fold": 0}, r"caps\['replayssm_gdn_fold'\] = 0; expected an int in \[1, 255\]"),
     ({"replayssm_gdn_fold": 256}, r"= 256; expected"),
     ({"replayssm_gdn_fold": True}, r"= True; expected"),

@@ -6,8 +6,8 @@ families run 7-9 % slower (bench/RESULTS.md, "Why: registers"). Pallas' Triton `
 has no register limit, but Triton reads one from the module attribute ``ttg.maxnreg`` and lowers it
 to PTX ``.maxnreg``. This module sets that attribute on the kernels named in ``CAPS`` by wrapping
 Pallas' private ``lower_jaxpr_to_triton_module`` (the only place the module can be reached). With
-the cap at 128, jax 0.12.1 runs these kernels at least as fast as 0.11.2 does (bench/RESULTS.md,
-"Register caps on jax 0.12.1").
+the cap at 128, jax 0.12.1 runs these kernels within 1 % of their 0.11.2 speed or faster
+(bench/RESULTS.md, "Register caps on jax 0.12.1").
 
 The caps apply on jaxlib 0.12 and later. Under 0.11.2, the pinned version every other GPU number
 was measured with, kernels compile exactly as Pallas builds them. ``REPLAYSSM_REGISTER_CAPS=0`` in
@@ -15,6 +15,7 @@ the environment turns the caps off. ``use_caps`` sets other caps within a contex
 """
 import contextlib
 import os
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -23,6 +24,7 @@ import jaxlib
 
 ATTRIBUTE = "ttg.maxnreg"
 ENV = "REPLAYSSM_REGISTER_CAPS"
+KERNEL_PREFIX = "replayssm_"
 
 # Registers per thread, by kernel name (the pallas_call name, which becomes the module's symbol).
 # 128 is what jaxlib 0.11.2 gives the GDN step and fold (ncu). Capped at 128, jaxlib 0.12.1 runs the
@@ -45,7 +47,8 @@ FIRST_JAXLIB = (0, 12)
 
 
 def _jaxlib_version() -> tuple[int, int]:
-  return tuple(int(part) for part in jaxlib.__version__.split(".")[:2])
+  major, minor = re.match(r"(\d+)\.(\d+)", jaxlib.__version__).groups()
+  return int(major), int(minor)
 
 
 def _defaults() -> dict[str, int]:
@@ -63,14 +66,16 @@ def active_caps() -> dict[str, int]:
 
 
 def check_caps(caps: Mapping[str, int]) -> dict[str, int]:
-  """``caps`` as a dict; ValueError if it is not {kernel name: registers per thread in [1, 255]},
-  NotImplementedError if it names any kernel and this JAX has no lowering to set caps on."""
+  """``caps`` as a dict; ValueError if it is not {kernel name: registers per thread in [1, 255]}
+  with names of this library's kernels (``replayssm_...``), NotImplementedError if it names any
+  kernel and this JAX has no lowering to set caps on."""
   if not isinstance(caps, Mapping):
     raise ValueError(f"caps: expected a mapping of kernel name to registers per thread, got "
                      f"{type(caps).__name__}")
   for name, n in caps.items():
-    if not isinstance(name, str) or not name:
-      raise ValueError(f"caps: kernel names must be non-empty strings, got {name!r}")
+    if not isinstance(name, str) or not name.startswith(KERNEL_PREFIX):
+      raise ValueError(f"caps: kernel names are this library's pallas_call names, "
+                       f"{KERNEL_PREFIX}<family>_<kernel>; got {name!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 255:
       raise ValueError(f"caps[{name!r}] = {n!r}; expected an int in [1, 255] (registers per thread)")
   if caps and not _installed:
