@@ -1,0 +1,77 @@
+"""bench.acceptance: the table from recorded runs, its verdicts, and the commands it would run."""
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from bench import acceptance
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "bench" / "results"
+# One H100, jax 0.12.1, before the register caps (bench/RESULTS.md, "JAX 0.12.1 on the GPU").
+RECORDED = {"gdn_decode": "gdn_decode_2026-12-07_h100_jax0.12.1.json",
+            "mamba2_decode": "mamba2_decode_2026-12-07_h100_jax0.12.1.json",
+            "verify_gdn": "verify_gdn_2026-12-07_h100_jax0.12.1.json",
+            "verify_mamba2": "verify_mamba2_2026-12-07_h100_jax0.12.1.json"}
+
+
+@pytest.fixture
+def recorded(tmp_path):
+  for name, file in RECORDED.items():
+    shutil.copy(RESULTS / file, tmp_path / f"{name}.json")
+  models = [json.loads((RESULTS / f"model_e2e_2026-12-07_h100_{m}_jax0.12.1.json").read_text())
+            for m in ("qwen35", "nemotron")]
+  models[0]["results"] += models[1]["results"]
+  (tmp_path / "model_e2e.json").write_text(json.dumps(models[0]))
+  return tmp_path
+
+
+def test_table_of_recorded_runs(recorded):
+  table = {measure: (value, met) for measure, value, _, met in acceptance.summarize(acceptance.load(recorded))}
+  assert table == {
+      "GDN replay, float32, B = 256, L = 16": ("0.2487 ms", "no"),
+      "GDN replay, bfloat16, B = 256, L = 16": ("0.1500 ms", "no"),
+      "Mamba2 replay, float32, B = 256, L = 8 (replay-mosaic-rc)": ("0.4487 ms", "no"),
+      "Mamba2 bf16 replay over conventional, B = 256, L = 8 (replay-pallas-oo)": ("1.23x", "no"),
+      "Mamba2 bf16 replay over conventional, B = 256, L = 16 (no arm)": ("missing", "no row"),
+      "gdn verify T = 4 over conventional, B = 256 (replay-mosaic)": ("2.66x", "yes"),
+      "mamba2 verify T = 4 over conventional, B = 256 (replay-mosaic)": ("2.80x", "yes"),
+      "qwen3.5-4b tokens/s, replay over conventional, B = 256, 1k context": ("1.19x", "no"),
+      "nemotron-h-8b tokens/s, replay over conventional, B = 256, 1k context": ("1.29x", "no"),
+  }
+
+
+def test_missing_runs_are_rows_not_errors(tmp_path, capsys):
+  assert {met for *_, met in acceptance.summarize({})} == {"no row"}
+  acceptance.main(["--summarize", str(tmp_path)])
+  assert "acceptance on no runs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, peer, peer_name, verdict", [
+    (0.15, 0.17, "SGLang", "yes"), (0.15, 0.14, "SGLang", "no"), (0.17, 0.20, "SGLang", "no"),
+    (0.15, None, "SGLang", "no SGLang row"), (0.17, None, "SGLang", "no"), (0.15, None, None, "yes"),
+    (None, 0.17, "SGLang", "no row"),
+])
+def test_at_most_verdicts(value, peer, peer_name, verdict):
+  assert acceptance._at_most(value, 0.16, peer, peer_name) == verdict
+
+
+def test_commands(tmp_path, capsys):
+  acceptance.main(["--out", str(tmp_path), "--dry-run", "--peer-dir", "/peers", "--only", "decode,verify"])
+  lines = capsys.readouterr().out.splitlines()
+  assert [line.split()[2] for line in lines] == ["bench.gdn_decode", "bench.mamba2_decode",
+                                                 "bench.verify_decode", "bench.verify_decode"]
+  assert [("--peer-dir /peers" in line) for line in lines] == [True, True, False, False]
+  assert all(f"--out-json {tmp_path}/" in line for line in lines)
+  assert not list(tmp_path.iterdir())   # a dry run writes nothing
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "decode,kernels", "--out", "x"], "--only: unknown ['kernels']"),
+    (["--dry-run"], "--out is required"),
+    (["--summarize", "/no/such/dir"], "not a directory"),
+])
+def test_bad_arguments_are_one_line(argv, message, capsys):
+  with pytest.raises(SystemExit):
+    acceptance.main(argv)
+  assert message in capsys.readouterr().err
