@@ -30,6 +30,8 @@ import pathlib
 import subprocess
 import sys
 
+from bench import common
+
 BATCH = 256
 
 
@@ -70,20 +72,21 @@ def command(run: Run, out: pathlib.Path, peer_dirs) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # The table
 
-def _decode_ms(rows, arm, dtype, batch, buffer_len):
-  """Median ms per layer-step of one ok decode row, or None."""
+def _ms(rows, **match):
+  """Median ms of the ok benchmark row whose fields equal ``match``, or None."""
   for r in rows:
-    if (r["arm"] == arm and r["state_dtype"] == dtype and r["batch"] == batch
-        and r["buffer_len"] == buffer_len and r["status"] == "ok"):
+    if r["status"] == "ok" and all(r[k] == v for k, v in match.items()):
       return r["median_ms"]
   return None
+
+
+def _decode_ms(rows, arm, dtype, batch, buffer_len):
+  """ms per layer-step of one decode row (conventional rows have ``buffer_len`` None)."""
+  return _ms(rows, arm=arm, state_dtype=dtype, batch=batch, buffer_len=buffer_len)
 
 
 def _verify_ms(rows, arm):
-  for r in rows:
-    if r["arm"] == arm and r["batch"] == BATCH and r["status"] == "ok":
-      return r["median_ms"]
-  return None
+  return _ms(rows, arm=arm, batch=BATCH)
 
 
 def _e2e_ms(results, preset, mode):
@@ -171,10 +174,8 @@ def render(table, results: dict) -> str:
   metas = [r["meta"] for r in results.values() if "meta" in r]
   where = ", ".join(sorted({f"{m.get('device_kind')} (jax {m.get('jax_version')}, "
                             f"{(m.get('git_commit') or '?')[:7]}, source {m.get('source_digest')})" for m in metas}))
-  widths = [max(len(row[i]) for row in table + [("measure", "value", "target", "met")]) for i in range(4)]
-  line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-  rows = [line(("measure", "value", "target", "met")), line(tuple("-" * w for w in widths))]
-  return "\n".join([f"acceptance on {where or 'no runs'}", *rows, *(line(r) for r in table)])
+  return f"acceptance on {where or 'no runs'}\n" + common.render_table(
+      ["measure", "value", "target", "met"], [list(row) for row in table], markdown=True)
 
 
 def main(argv=None):
