@@ -96,3 +96,17 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
   with pytest.raises(SystemExit):
     acceptance.main(argv)
   assert message in capsys.readouterr().err
+
+
+def test_summarize_a_recorded_run_folder(capsys):
+  """The folder one ``--out`` run wrote (bench/RESULTS.md, "The acceptance rows in one run"): every
+  row has a value, and the verdicts are the ones recorded there."""
+  folder = RESULTS / "acceptance_2026-12-08_h100_jax0.11.2"
+  results = acceptance.load(folder)
+  assert sorted(results) == sorted(run.name for run in acceptance.RUNS)
+  met = [(value, verdict) for _, value, _, verdict in acceptance.summarize(results)]
+  assert [v for v, _ in met] == ["0.2327 ms", "0.1607 ms", "0.1374 ms", "0.4500 ms", "0.3684 ms", "1.28x",
+                                 "1.47x", "2.73x", "2.81x", "1.22x", "1.33x"]
+  assert [m for _, m in met] == ["no"] * 6 + ["yes"] * 3 + ["no", "yes"]
+  acceptance.main(["--summarize", str(folder)])
+  assert "acceptance on NVIDIA H100 80GB HBM3 (jax 0.11.2" in capsys.readouterr().out
