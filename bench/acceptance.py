@@ -1,8 +1,9 @@
 """The kernel and model acceptance rows in one command: every measure beside its target.
 
-    python -m bench.acceptance --out DIR [--peer-dir DIR ...] [--only decode,verify,models]
+    python -m bench.acceptance --out DIR [--peer-dir DIR ...] [--only decode,small,verify,models]
+                               [--baseline EARLIER_DIR]
     python -m bench.acceptance --out DIR --dry-run          # print the commands, run nothing
-    python -m bench.acceptance --summarize DIR              # the table again, from DIR's JSONs
+    python -m bench.acceptance --summarize DIR [--baseline EARLIER_DIR]   # the table again
 
 Each benchmark runs in its own process (a fresh device allocator each; bench/NOTES.md, "Harness,
 CI and interpreter hazards") and writes ``DIR/<run>.json`` and ``DIR/<run>.log``:
@@ -12,6 +13,8 @@ CI and interpreter hazards") and writes ``DIR/<run>.json`` and ``DIR/<run>.log``
   state;
 * ``mamba2_decode``: conv-pallas, both replay routes, the read copy and vLLM's kernel
   (``peer-vllm-replay``), B ∈ {32, 256}, L ∈ {8, 16}, f32 and bf16;
+* ``gdn_small``, ``mamba2_small``: conv-pallas and the small-batch policy's flush-every-step kernels
+  (``replay-pallas-flushall``) at B ∈ {1, 8}, same L and dtypes;
 * ``verify_gdn``, ``verify_mamba2``: T = 4, L = 8, B = 256, f32, the conventional speculative
   verify against the Triton and Mosaic replay verify;
 * ``model_e2e``: Qwen3.5-4B and Nemotron-H-8B at B = 256 with 1k tokens of context.
@@ -21,9 +24,13 @@ two rows: the exact default route, and the opt-in read copy (the issue's "faster
 SGLang's kernel, the GDN peer, reconstructs in bf16 too). A peer that is not
 installed (and not in ``--peer-dir``) is a skipped row, and a target that compares against it
 reads "no peer row". The targets are the open issues' acceptance lines, for an H200. On another
-card the table still prints, for comparison only. The B = 32 rows are in the JSONs, not the table:
-the issues' small-batch line compares against an earlier run of the defaults, which this does not
-have.
+card the table still prints, for comparison only.
+
+The issues' small-batch line ("no regression below B = 32, ≥ 0.97x of today's defaults") compares
+against an earlier run: ``--baseline EARLIER_DIR``, a folder this command wrote before the change
+(on the same kind of card; another card's is compared but reads "other card"). Its row is the
+worst ratio earlier ÷ now over the default kernels' rows at B ≤ 32 (conv-pallas, the flush-every-
+step kernels, the Triton output-only replay) that both runs have.
 """
 import argparse
 import dataclasses
@@ -36,6 +43,9 @@ import sys
 from bench import common
 
 BATCH = 256
+SMALL_BATCH = 32            # the small-batch line covers B ≤ this
+SMALL_ARMS = ("conv-pallas", "replay-pallas-flushall", "replay-pallas-oo")   # the defaults there
+SMALL_RATIO = 0.97
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +66,10 @@ RUNS = (
         ("--arms", "conv-pallas,replay-pallas-oo,replay-mosaic-rc,replay-pallas-copy,peer-vllm-replay",
          "--batches", "32,256", "--buffer-lens", "8,16", "--state-dtypes", "float32,bfloat16",
          "--repeat-arm", "none", "--reps", "5"), "decode", takes_peer_dir=True),
+    *(Run(f"{family}_small", f"bench.{family}_decode",
+          ("--arms", "conv-pallas,replay-pallas-flushall", "--batches", "1,8", "--buffer-lens", lens,
+           "--state-dtypes", "float32,bfloat16", "--repeat-arm", "none", "--reps", "5"), "small")
+      for family, lens in (("gdn", "16"), ("mamba2", "8,16"))),
     *(Run(f"verify_{family}", "bench.verify_decode",
           ("--family", family, "--tokens", "4", "--batches", str(BATCH), "--buffer-len", "8",
            "--state-dtypes", "float32", "--arms", "conv-pallas,replay-pallas,replay-mosaic",
@@ -131,9 +145,41 @@ def _at_least(ratio, target):
   return "no row" if ratio is None else ("yes" if ratio >= target else "no")
 
 
-def summarize(results: dict) -> list[tuple[str, str, str, str]]:
+def _small_rows(results: dict) -> dict:
+  """{(family, arm, state dtype, B, L): ms} of the default kernels' rows at B ≤ SMALL_BATCH."""
+  rows = {}
+  for name in ("gdn_decode", "gdn_small", "mamba2_decode", "mamba2_small"):
+    family = name.split("_")[0]
+    for r in results.get(name, {}).get("rows", []):
+      if r["status"] == "ok" and r["arm"] in SMALL_ARMS and r["batch"] <= SMALL_BATCH:
+        rows[(family, r["arm"], r["state_dtype"], r["batch"], r["buffer_len"])] = r["median_ms"]
+  return rows
+
+
+def _devices(results: dict) -> set:
+  return {r["meta"].get("device_kind") for r in results.values() if "meta" in r}
+
+
+def small_batch(results: dict, baseline: dict | None) -> tuple[str, str, str, str]:
+  """The small-batch row: the worst earlier ÷ now over the rows both runs have (module doc)."""
+  measure = f"small batch, B ≤ {SMALL_BATCH}, default kernels against the baseline"
+  target = f"≥ {SMALL_RATIO}x of the baseline"
+  if baseline is None:
+    return measure, "no baseline given", target, "no baseline"
+  now, before = _small_rows(results), _small_rows(baseline)
+  common_rows = now.keys() & before.keys()
+  if not common_rows:
+    return measure, "no row in both runs", target, "no row"
+  worst = min(sorted(common_rows, key=str), key=lambda k: before[k] / now[k])
+  ratio, (family, arm, dtype, batch, buffer_len) = before[worst] / now[worst], worst
+  where = f"{family} {arm} {dtype} B = {batch}" + ("" if buffer_len is None else f" L = {buffer_len}")
+  met = _at_least(ratio, SMALL_RATIO) if _devices(results) == _devices(baseline) else "other card"
+  return measure, f"worst {ratio:.3f}x of {len(common_rows)} rows ({where})", target, met
+
+
+def summarize(results: dict, baseline: dict | None = None) -> list[tuple[str, str, str, str]]:
   """(measure, value, target, met) rows from the runs' JSONs, keyed by run name (missing runs are
-  "missing" rows, never an error)."""
+  "missing" rows, never an error); ``baseline``: an earlier run's, for the small-batch row."""
   table = []
   gdn = results.get("gdn_decode", {}).get("rows", [])
   for dtype, arm, limit in (("float32", "replay-pallas-oo", 0.160), ("float32", "replay-pallas-copy", 0.160),
@@ -156,6 +202,7 @@ def summarize(results: dict) -> list[tuple[str, str, str, str]]:
     ratio = _ratio(conv, ms)
     table.append((f"Mamba2 bf16 replay over conventional, B = {BATCH}, L = {buffer_len} ({arm or 'no arm'})",
                   "missing" if ratio is None else f"{ratio:.2f}x", "≥ 1.3x", _at_least(ratio, 1.3)))
+  table.append(small_batch(results, baseline))
   for family, target in (("gdn", 2.2), ("mamba2", 2.7)):
     rows = results.get(f"verify_{family}", {}).get("rows", [])
     ms, arm = _best(*((a, _verify_ms(rows, a)) for a in ("replay-pallas", "replay-mosaic")))
@@ -171,8 +218,16 @@ def summarize(results: dict) -> list[tuple[str, str, str, str]]:
 
 
 def load(out: pathlib.Path) -> dict:
-  return {run.name: json.loads((out / f"{run.name}.json").read_text())
-          for run in RUNS if (out / f"{run.name}.json").is_file()}
+  """{run name: its JSON} of the runs ``out`` holds; ValueError names a file that is not JSON."""
+  results = {}
+  for run in RUNS:
+    path = out / f"{run.name}.json"
+    if path.is_file():
+      try:
+        results[run.name] = json.loads(path.read_text())
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a benchmark JSON ({e})") from None
+  return results
 
 
 def render(table, results: dict) -> str:
@@ -192,12 +247,23 @@ def main(argv=None):
   p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
   p.add_argument("--summarize", type=pathlib.Path, default=None, metavar="DIR",
                  help="print the table from DIR's JSONs and run nothing")
+  p.add_argument("--baseline", type=pathlib.Path, default=None, metavar="EARLIER_DIR",
+                 help="an earlier run's folder, for the small-batch row")
   args = p.parse_args(argv)
+  for flag, folder in (("--summarize", args.summarize), ("--baseline", args.baseline)):
+    if folder is not None and not folder.is_dir():
+      p.error(f"{flag} {folder}: not a directory")
+  try:
+    _run(args, p)
+  except ValueError as e:   # a folder's JSON that is not one
+    p.error(str(e))
+
+
+def _run(args, p):
+  baseline = None if args.baseline is None else load(args.baseline)
   if args.summarize is not None:
-    if not args.summarize.is_dir():
-      p.error(f"--summarize {args.summarize}: not a directory")
     results = load(args.summarize)
-    print(render(summarize(results), results))
+    print(render(summarize(results, baseline), results))
     return
   if args.out is None:
     p.error("--out is required (unless --summarize)")
@@ -220,7 +286,7 @@ def main(argv=None):
     if rc:
       print(f"  {run.name} exited with {rc}: see {args.out / (run.name + '.log')}", flush=True)
   results = load(args.out)
-  print(render(summarize(results), results))
+  print(render(summarize(results, baseline), results))
 
 
 if __name__ == "__main__":
