@@ -156,8 +156,8 @@ def _small_rows(results: dict) -> dict:
   return rows
 
 
-def _devices(results: dict) -> set:
-  return {r["meta"].get("device_kind") for r in results.values() if "meta" in r}
+def _metas(results: dict) -> list[dict]:
+  return [r["meta"] for r in results.values() if "meta" in r]
 
 
 def small_batch(results: dict, baseline: dict | None) -> tuple[str, str, str, str]:
@@ -171,9 +171,12 @@ def small_batch(results: dict, baseline: dict | None) -> tuple[str, str, str, st
   if not common_rows:
     return measure, "no row in both runs", target, "no row"
   worst = min(sorted(common_rows, key=str), key=lambda k: before[k] / now[k])
-  ratio, (family, arm, dtype, batch, buffer_len) = before[worst] / now[worst], worst
+  ratio = before[worst] / now[worst]
+  family, arm, dtype, batch, buffer_len = worst
   where = f"{family} {arm} {dtype} B = {batch}" + ("" if buffer_len is None else f" L = {buffer_len}")
-  met = _at_least(ratio, SMALL_RATIO) if _devices(results) == _devices(baseline) else "other card"
+  same_card = ({m.get("device_kind") for m in _metas(results)}
+               == {m.get("device_kind") for m in _metas(baseline)})
+  met = _at_least(ratio, SMALL_RATIO) if same_card else "other card"
   return measure, f"worst {ratio:.3f}x of {len(common_rows)} rows ({where})", target, met
 
 
@@ -231,9 +234,9 @@ def load(out: pathlib.Path) -> dict:
 
 
 def render(table, results: dict) -> str:
-  metas = [r["meta"] for r in results.values() if "meta" in r]
   where = ", ".join(sorted({f"{m.get('device_kind')} (jax {m.get('jax_version')}, "
-                            f"{(m.get('git_commit') or '?')[:7]}, source {m.get('source_digest')})" for m in metas}))
+                            f"{(m.get('git_commit') or '?')[:7]}, source {m.get('source_digest')})"
+                            for m in _metas(results)}))
   return f"acceptance on {where or 'no runs'}\n" + common.render_table(
       ["measure", "value", "target", "met"], [list(row) for row in table], markdown=True)
 
